@@ -1,0 +1,1 @@
+"""The `legorl` command line."""

@@ -1,0 +1,184 @@
+"""`legorl` console entry point: a thin dispatcher; each command imports what it needs when run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from legorl.manifests import validate_paths  # noqa: PLC0415 - keep `legorl --help` instant
+
+    reports, load_errors = validate_paths(args.files)
+    errors = len(load_errors)
+    warnings = 0
+    records = []
+    for line in load_errors:
+        print(line, file=sys.stderr)
+    for report in reports:
+        label = report.document.label
+        for problem in report.problems:
+            if problem.severity == "error":
+                errors += 1
+            else:
+                warnings += 1
+            if args.output == "text":
+                print(problem.format(label))
+            records.append(
+                {
+                    "file": report.document.source,
+                    "line": report.document.line,
+                    "severity": problem.severity,
+                    "path": problem.path,
+                    "message": problem.message,
+                    "check": problem.check,
+                }
+            )
+        if args.output == "text" and report.ok and not args.quiet:
+            print(f"{label}: valid")
+    if args.strict:
+        errors += warnings
+    if args.output == "json":
+        print(json.dumps({"documents": len(reports), "problems": records}, indent=2))
+    elif not args.quiet:
+        print(f"{len(reports)} document(s): {errors} error(s), {warnings} warning(s)")
+    if load_errors:
+        return EXIT_USAGE
+    return EXIT_INVALID if errors else EXIT_OK
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    from legorl.manifests import validate_paths  # noqa: PLC0415
+    from legorl.manifests.generated import to_yaml  # noqa: PLC0415
+    from legorl.manifests.structural import apply_defaults  # noqa: PLC0415
+    from legorl.manifests.validate import crd_schema  # noqa: PLC0415
+
+    reports, load_errors = validate_paths(args.files)
+    for line in load_errors:
+        print(line, file=sys.stderr)
+    failed = [r for r in reports if not r.ok]
+    for report in failed:
+        for problem in report.problems:
+            if problem.severity == "error":
+                print(problem.format(report.document.label), file=sys.stderr)
+    if load_errors:
+        return EXIT_USAGE
+    if failed:
+        print("nothing rendered: fix the errors above (see `legorl validate`)", file=sys.stderr)
+        return EXIT_INVALID
+    out = []
+    for report in reports:
+        assert report.resource is not None
+        body = report.resource.to_wire()
+        body.pop("status", None)
+        out.append(
+            "# The effective resource as the API server stores it (defaults applied).\n"
+            + to_yaml(apply_defaults(crd_schema(report.resource.kind), body))
+        )
+    print("---\n".join(out), end="")
+    return EXIT_OK
+
+
+def _cmd_crds(args: argparse.Namespace) -> int:
+    from legorl.manifests.generated import stale_files, write_generated  # noqa: PLC0415
+
+    root = Path(args.root)
+    if not (root / "charts" / "legorl").is_dir():
+        print(
+            f"{root.resolve()}: not a legorl checkout (no charts/legorl); run from the repository "
+            "root or pass --root",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.check:
+        stale = stale_files(root)
+        if stale:
+            for rel in stale:
+                print(f"stale generated file: {rel}", file=sys.stderr)
+            print("run `legorl crds` and commit the result", file=sys.stderr)
+            return EXIT_INVALID
+        print("generated files are up to date")
+        return EXIT_OK
+    changed = write_generated(root)
+    for rel in changed:
+        print(f"wrote {rel}")
+    if not changed:
+        print("generated files are up to date")
+    return EXIT_OK
+
+
+def _cmd_version(_: argparse.Namespace) -> int:
+    from legorl.api import API_GROUP, API_VERSION, SCHEMA_VERSION, __version__  # noqa: PLC0415
+
+    print(f"legorl {__version__} (API {API_GROUP}/{API_VERSION}, trajectory schema v{SCHEMA_VERSION})")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="legorl",
+        description="Online RL for coding agents in their native harnesses, as a Kubernetes operator.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "validate",
+        help="check manifests: schema, CEL rules and preflight, without a cluster",
+        description=(
+            "Check RLRun, SandboxPool and RolloutFleet manifests the way the API server would "
+            "(schema and CEL rules) plus preflight checks it cannot make. References between "
+            "documents are resolved within the files given. Exit 0 when valid, 1 on errors, "
+            "2 when a file cannot be read."
+        ),
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="manifest files ('-' for stdin)")
+    p.add_argument("--strict", action="store_true", help="treat warnings as errors")
+    p.add_argument("-q", "--quiet", action="store_true", help="print problems only")
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser(
+        "render",
+        help="print the resources the operator works from, with every default filled in",
+        description=(
+            "Validate manifests and print each resource as the API server stores it, defaults "
+            "applied."
+        ),
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="manifest files ('-' for stdin)")
+    p.set_defaults(func=_cmd_render)
+
+    p = sub.add_parser(
+        "crds",
+        help="regenerate CRDs, chart CRDs and the API reference from the models",
+        description="Write crds/, charts/legorl/crds/ and docs/api-reference.md from the models.",
+    )
+    p.add_argument("--check", action="store_true", help="fail if a generated file is stale; write nothing")
+    p.add_argument("--root", default=".", help="repository root (default: current directory)")
+    p.set_defaults(func=_cmd_crds)
+
+    p = sub.add_parser("version", help="print versions")
+    p.set_defaults(func=_cmd_version)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Preflight: checks beyond what the CRD schema and CEL can express, needing no cluster.
+
+Each check is a small function over one valid resource (or the set of them, for
+references between documents) that yields problems with a field path and a fix.
+Errors block `legorl validate`; warnings are printed and do not.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from legorl.api._base import parse_quantity
+from legorl.api.common import ContainerImage, EnvVar, ResourceRequirements
+from legorl.api.kinds import Resource, RLRun, RolloutFleet, SandboxPool
+from legorl.manifests.problems import DocumentReport, Problem
+
+_SECRETISH = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+
+
+def _walk(obj: Any, path: str, kind: type[Any]) -> Iterator[tuple[str, Any]]:
+    """Every instance of `kind` inside a model tree, with its field path."""
+    if isinstance(obj, kind):
+        yield path, obj
+    if isinstance(obj, list):
+        for i, item in enumerate(obj):
+            yield from _walk(item, f"{path}[{i}]", kind)
+    elif hasattr(obj, "model_fields"):
+        for name, info in type(obj).model_fields.items():
+            alias = info.alias or name
+            yield from _walk(getattr(obj, name), f"{path}.{alias}" if path else alias, kind)
+
+
+def check_requests_within_limits(res: Resource) -> Iterator[Problem]:
+    for path, req in _walk(res.spec, "spec", ResourceRequirements):
+        for name, limit in req.limits.items():
+            if name in req.requests and parse_quantity(req.requests[name]) > parse_quantity(limit):
+                yield Problem(
+                    "error",
+                    f"{path}.requests.{name}",
+                    f"request {req.requests[name]} is above the limit {limit}; lower the request or raise the limit",
+                    "preflight",
+                )
+        for name in ("nvidia.com/gpu", "amd.com/gpu"):
+            if name in req.requests or name in req.limits:
+                yield Problem(
+                    "warning",
+                    f"{path}",
+                    f"{name} is set by hand; legorl adds GPUs from the parallelism settings, remove it here",
+                    "preflight",
+                )
+
+
+def check_secrets_not_inline(res: Resource) -> Iterator[Problem]:
+    for path, env in _walk(res.spec, "spec", EnvVar):
+        if env.value and _SECRETISH.search(env.name):
+            yield Problem(
+                "warning",
+                f"{path}.value",
+                f"{env.name} looks like a credential written in the manifest; put it in a Secret and "
+                "use valueFrom.secretKeyRef",
+                "preflight",
+            )
+
+
+def check_images_pinned(res: Resource) -> Iterator[Problem]:
+    for path, image in _walk(res.spec, "spec", ContainerImage):
+        ref = image.image
+        tail = ref.rsplit("/", 1)[-1]
+        if "@sha256:" not in ref and (":" not in tail or tail.endswith(":latest")):
+            yield Problem(
+                "warning",
+                f"{path}.image",
+                f"{ref} is not pinned; use a version tag or a digest so runs are reproducible",
+                "preflight",
+            )
+
+
+def check_run_settings(res: Resource) -> Iterator[Problem]:
+    if not isinstance(res, RLRun):
+        return
+    spec = res.spec
+    algo = spec.algorithm
+    batch = algo.tasks_per_step * algo.group_size
+    if algo.mini_batches > batch:
+        yield Problem(
+            "error",
+            "spec.algorithm.miniBatches",
+            f"{algo.mini_batches} mini-batches cannot be cut from a batch of {batch} trials "
+            "(tasksPerStep × groupSize); lower miniBatches",
+            "preflight",
+        )
+    split = spec.tasks.split
+    if spec.stop.target_reward is not None and split.held_out_percent == 0:
+        yield Problem(
+            "error",
+            "spec.stop.targetReward",
+            "targetReward is measured on the held-out split, but heldOutPercent is 0; hold out tasks "
+            "or drop targetReward",
+            "preflight",
+        )
+    if spec.mode == "Train" and spec.schedule.max_concurrent_trials < algo.group_size:
+        yield Problem(
+            "warning",
+            "spec.schedule.maxConcurrentTrials",
+            f"{spec.schedule.max_concurrent_trials} concurrent trials is below groupSize "
+            f"{algo.group_size}; each group runs in pieces, raise it for throughput",
+            "preflight",
+        )
+    max_steps = spec.stop.max_steps
+    if max_steps is not None and spec.evaluation.interval_steps > max_steps:
+        yield Problem(
+            "warning",
+            "spec.evaluation.intervalSteps",
+            f"validation every {spec.evaluation.interval_steps} steps never happens mid-run with "
+            f"maxSteps {max_steps}; only the start and the end are scored",
+            "preflight",
+        )
+    if spec.harness.kind == "Custom" and spec.harness.command and not any(
+        "{prompt}" in part for part in spec.harness.command
+    ):
+        yield Problem(
+            "warning",
+            "spec.harness.command",
+            "no {prompt} placeholder: the harness will not receive the task text on its command line",
+            "preflight",
+        )
+    if spec.fleet is not None:
+        yield from _fidelity_dtypes(spec.trainer.dtype, spec.fleet.settings.dtype, "spec.fleet.settings.dtype")
+
+
+def _fidelity_dtypes(trainer_dtype: str, engine_dtype: str, path: str) -> Iterator[Problem]:
+    if engine_dtype not in ("auto", trainer_dtype):
+        yield Problem(
+            "warning",
+            path,
+            f"the engine samples in {engine_dtype} but the trainer computes in {trainer_dtype}; "
+            "expect rollout/training correlation below 0.999 — use the same dtype",
+            "preflight",
+        )
+
+
+def check_pool_defenses(res: Resource) -> Iterator[Problem]:
+    pools: list[tuple[str, Any]] = []
+    if isinstance(res, SandboxPool):
+        pools.append(("spec", res.spec))
+    elif isinstance(res, RLRun) and res.spec.pool is not None:
+        pools.append(("spec.pool", res.spec.pool))
+    for path, pool in pools:
+        d = pool.defenses
+        relaxed = [
+            name
+            for name, value, safe in (
+                ("egress", d.egress, "ProxyOnly"),
+                ("gitHistory", d.git_history, "BaseCommitOnly"),
+            )
+            if value != safe
+        ]
+        for name in relaxed:
+            yield Problem(
+                "warning",
+                f"{path}.defenses.{name}",
+                "this defense is relaxed: rewards from this pool can be gamed; use it only to debug harnesses",
+                "preflight",
+            )
+
+
+SINGLE_CHECKS: list[Callable[[Resource], Iterator[Problem]]] = [
+    check_requests_within_limits,
+    check_secrets_not_inline,
+    check_images_pinned,
+    check_run_settings,
+    check_pool_defenses,
+]
+
+
+def _key(res: Resource) -> tuple[str, str]:
+    return (res.metadata.namespace or "", res.metadata.name)
+
+
+def check_references(reports: list[DocumentReport]) -> None:
+    """Resolve fleetRef/poolRef against the documents given; check what the pair implies."""
+    fleets = {_key(r.resource): r.resource for r in reports if isinstance(r.resource, RolloutFleet)}
+    pools = {_key(r.resource): r.resource for r in reports if isinstance(r.resource, SandboxPool)}
+    trainers_by_fleet: dict[tuple[str, str], list[str]] = {}
+    for report in reports:
+        run = report.resource
+        if not isinstance(run, RLRun):
+            continue
+        ns = run.metadata.namespace or ""
+        spec = run.spec
+        if spec.fleet_ref is not None:
+            fleet = fleets.get((ns, spec.fleet_ref.name))
+            if fleet is None:
+                report.problems.append(
+                    Problem(
+                        "warning",
+                        "spec.fleetRef.name",
+                        f"RolloutFleet {spec.fleet_ref.name!r} is not among the given files; it must exist "
+                        "in the run's namespace before the run can start",
+                        "preflight",
+                    )
+                )
+            else:
+                report.problems += list(_check_run_against_fleet(run, fleet))
+                if spec.mode == "Train":
+                    trainers_by_fleet.setdefault((ns, fleet.metadata.name), []).append(run.metadata.name)
+        if spec.pool_ref is not None and (ns, spec.pool_ref.name) not in pools:
+            report.problems.append(
+                Problem(
+                    "warning",
+                    "spec.poolRef.name",
+                    f"SandboxPool {spec.pool_ref.name!r} is not among the given files; it must exist in "
+                    "the run's namespace before the run can start",
+                    "preflight",
+                )
+            )
+    for report in reports:
+        run = report.resource
+        if isinstance(run, RLRun) and run.spec.fleet_ref is not None and run.spec.mode == "Train":
+            names = trainers_by_fleet.get((run.metadata.namespace or "", run.spec.fleet_ref.name), [])
+            if len(names) > 1:
+                others = ", ".join(n for n in names if n != run.metadata.name)
+                report.problems.append(
+                    Problem(
+                        "warning",
+                        "spec.fleetRef",
+                        f"training runs {others} use the same fleet; only one holds its weight lease at a "
+                        "time and the others wait — share a fleet with Evaluate runs instead",
+                        "preflight",
+                    )
+                )
+
+
+def _check_run_against_fleet(run: RLRun, fleet: RolloutFleet) -> Iterator[Problem]:
+    if run.spec.policy.checkpoint.uri != fleet.spec.model.uri:
+        yield Problem(
+            "error",
+            "spec.policy.checkpoint.uri",
+            f"the run's policy {run.spec.policy.checkpoint.uri} differs from what fleet "
+            f"{fleet.metadata.name!r} serves ({fleet.spec.model.uri}); point both at the same checkpoint",
+            "preflight",
+        )
+    if run.spec.trainer.routing_replay == "Enabled" and fleet.spec.settings.routed_experts_capture != "Enabled":
+        yield Problem(
+            "error",
+            "spec.trainer.routingReplay",
+            f"routing replay needs routed experts, but fleet {fleet.metadata.name!r} has "
+            "settings.routedExpertsCapture Disabled; enable capture on the fleet or set routingReplay Auto",
+            "preflight",
+        )
+    if run.spec.mode == "Train":
+        yield from _fidelity_dtypes(run.spec.trainer.dtype, fleet.spec.settings.dtype, "spec.trainer.dtype")
+
+
+def preflight(reports: list[DocumentReport]) -> None:
+    """Append preflight problems to each report whose document passed schema and CEL."""
+    for report in reports:
+        if report.resource is not None and report.ok:
+            report.problems += list(_run_single(report.resource))
+    check_references([r for r in reports if r.resource is not None and r.ok])
+
+
+def _run_single(res: Resource) -> Iterator[Problem]:
+    for check in SINGLE_CHECKS:
+        yield from check(res)
