@@ -22,7 +22,10 @@ from legorl.api._base import (
 )
 
 ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]*$"
-LABEL_KEY_RE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+LABEL_KEY_RE = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
 RESOURCE_NAME_RE = r"^([a-z0-9.-]+/)?[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
 
 
@@ -121,9 +124,7 @@ class Placement(ApiModel):
         Field(max_length=16),
     ] = Field(default_factory=dict)
     """Node labels a pod's node must carry."""
-    tolerations: Annotated[list[Toleration], Field(max_length=MAX_LIST)] = Field(
-        default_factory=list
-    )
+    tolerations: Annotated[list[Toleration], Field(max_length=MAX_LIST)] = Field(default_factory=list)
     """Taints the pods tolerate (e.g. dedicated GPU or sandbox node pools)."""
     affinity: dict[str, Any] | None = None
     """A core/v1 Affinity, passed through to the pods unchanged."""
@@ -234,7 +235,10 @@ class Condition(ApiModel):
     """Condition type, e.g. `Ready`."""
     status: CONDITION_STATUS
     """`True`, `False` or `Unknown`."""
-    reason: Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")]
+    reason: Annotated[
+        str,
+        Field(min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"),
+    ]
     """A CamelCase reason from the kind's documented reason set."""
     message: Annotated[str, Field(max_length=32768)] = ""
     """What a person needs to know, including what to do next."""
@@ -263,4 +267,3 @@ class Deadlines(ApiModel):
     """Limit for stage 2 (the harness run); exceeding it ends the trial as `agent_timeout`."""
     verify_seconds: Seconds = 1800
     """Limit for stage 3 (verification in a pristine sandbox)."""
-

@@ -41,19 +41,40 @@ class FleetReason(DocumentedEnum):
     """Reasons of RolloutFleet conditions."""
 
     ALL_REPLICAS_READY = "AllReplicasReady", "Every desired replica is up and answers /health."
-    REPLICAS_NOT_READY = "ReplicasNotReady", "Some desired replicas are not ready yet; the message names them and why."
+    REPLICAS_NOT_READY = (
+        "ReplicasNotReady",
+        "Some desired replicas are not ready yet; the message names them and why.",
+    )
     SCALED_TO_ZERO = "ScaledToZero", "replicas is 0: nothing serves the policy (not an error)."
     MODEL_LOADING = "ModelLoading", "Replicas are running but still loading weights."
-    ROLLOUT_IN_PROGRESS = "RolloutInProgress", "Pods are being created or replaced after a spec change."
+    ROLLOUT_IN_PROGRESS = (
+        "RolloutInProgress",
+        "Pods are being created or replaced after a spec change.",
+    )
     ROLLOUT_COMPLETE = "RolloutComplete", "The current spec is fully rolled out."
-    WEIGHT_SYNC_IN_PROGRESS = "WeightSyncInProgress", "A new policy version is being loaded into the replicas."
-    PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded", "A rollout did not finish within startupSeconds."
+    WEIGHT_SYNC_IN_PROGRESS = (
+        "WeightSyncInProgress",
+        "A new policy version is being loaded into the replicas.",
+    )
+    PROGRESS_DEADLINE_EXCEEDED = (
+        "ProgressDeadlineExceeded",
+        "A rollout did not finish within startupSeconds.",
+    )
     AS_EXPECTED = "AsExpected", "Nothing is wrong."
-    CRASH_LOOP = "CrashLoop", "A container restarts repeatedly; the message carries its last termination reason."
+    CRASH_LOOP = (
+        "CrashLoop",
+        "A container restarts repeatedly; the message carries its last termination reason.",
+    )
     IMAGE_PULL_FAILED = "ImagePullFailed", "An image cannot be pulled (name, tag or pull secret)."
     UNSCHEDULABLE = "Unschedulable", "Pods cannot be scheduled (resources, node selector, taints)."
-    POLICY_VERSION_SKEW = "PolicyVersionSkew", "Ready replicas serve different policy versions for longer than a sync takes."
-    INVALID_SPEC = "InvalidSpec", "The spec fails validation; the message names the field and the fix."
+    POLICY_VERSION_SKEW = (
+        "PolicyVersionSkew",
+        "Ready replicas serve different policy versions for longer than a sync takes.",
+    )
+    INVALID_SPEC = (
+        "InvalidSpec",
+        "The spec fails validation; the message names the field and the fix.",
+    )
 
 
 class PoolConditionType(StrEnum):
@@ -73,18 +94,42 @@ class PoolReason(DocumentedEnum):
     """Reasons of SandboxPool conditions."""
 
     POOL_READY = "PoolReady", "The pool can start trials."
-    WARM_CAPACITY_NOT_READY = "WarmCapacityNotReady", "Fewer warm sandboxes are ready than replicas asks for."
+    WARM_CAPACITY_NOT_READY = (
+        "WarmCapacityNotReady",
+        "Fewer warm sandboxes are ready than replicas asks for.",
+    )
     ALL_IMAGES_CACHED = "AllImagesCached", "Every desired image is on every matching node."
     PULL_IN_PROGRESS = "PullInProgress", "Images are still being pulled onto nodes."
-    PULL_FAILED = "PullFailed", "At least one image failed to pull on at least one node; status.nodes says where."
-    NO_MATCHING_NODES = "NoMatchingNodes", "No node matches the pool's node selector and tolerations."
-    PRE_PULL_DISABLED = "PrePullDisabled", "prePull.policy is Never: images are pulled when trials start."
-    SELF_TEST_PASSED = "SelfTestPassed", "The probe sandbox confirmed every defense (egress refused, history gone, tests absent)."
+    PULL_FAILED = (
+        "PullFailed",
+        "At least one image failed to pull on at least one node; status.nodes says where.",
+    )
+    NO_MATCHING_NODES = (
+        "NoMatchingNodes",
+        "No node matches the pool's node selector and tolerations.",
+    )
+    PRE_PULL_DISABLED = (
+        "PrePullDisabled",
+        "prePull.policy is Never: images are pulled when trials start.",
+    )
+    SELF_TEST_PASSED = (
+        "SelfTestPassed",
+        "The probe sandbox confirmed every defense (egress refused, history gone, tests absent).",
+    )
     SELF_TEST_PENDING = "SelfTestPending", "The defense self-test has not finished yet."
-    SELF_TEST_FAILED = "SelfTestFailed", "A defense could not be confirmed; trials fail closed as defense_failed until fixed."
-    DEFENSES_RELAXED_BY_SPEC = "DefensesRelaxedBySpec", "The spec turns a defense off; rewards from this pool are not hack-proof."
+    SELF_TEST_FAILED = (
+        "SelfTestFailed",
+        "A defense could not be confirmed; trials fail closed as defense_failed until fixed.",
+    )
+    DEFENSES_RELAXED_BY_SPEC = (
+        "DefensesRelaxedBySpec",
+        "The spec turns a defense off; rewards from this pool are not hack-proof.",
+    )
     AS_EXPECTED = "AsExpected", "Nothing is wrong."
-    INVALID_SPEC = "InvalidSpec", "The spec fails validation; the message names the field and the fix."
+    INVALID_SPEC = (
+        "InvalidSpec",
+        "The spec fails validation; the message names the field and the fix.",
+    )
 
 
 class RunConditionType(StrEnum):
@@ -110,30 +155,60 @@ class RunReason(DocumentedEnum):
     """Reasons of RLRun conditions."""
 
     VALID = "Valid", "Schema, CEL and preflight checks passed."
-    INVALID_SPEC = "InvalidSpec", "The spec fails validation; the message names the field and the fix."
-    PREFLIGHT_FAILED = "PreflightFailed", "A check beyond the schema failed (e.g. requests above limits); see the message."
-    REFERENCE_NOT_FOUND = "ReferenceNotFound", "A referenced RolloutFleet, SandboxPool or Secret does not exist."
+    INVALID_SPEC = (
+        "InvalidSpec",
+        "The spec fails validation; the message names the field and the fix.",
+    )
+    PREFLIGHT_FAILED = (
+        "PreflightFailed",
+        "A check beyond the schema failed (e.g. requests above limits); see the message.",
+    )
+    REFERENCE_NOT_FOUND = (
+        "ReferenceNotFound",
+        "A referenced RolloutFleet, SandboxPool or Secret does not exist.",
+    )
     FLEET_READY = "FleetReady", "The fleet serves this run's policy."
     FLEET_NOT_READY = "FleetNotReady", "The fleet is not ready; its own conditions say why."
-    FLEET_LEASED_BY_OTHER_RUN = "FleetLeasedByOtherRun", "Another training run owns the fleet's weights; this run waits."
+    FLEET_LEASED_BY_OTHER_RUN = (
+        "FleetLeasedByOtherRun",
+        "Another training run owns the fleet's weights; this run waits.",
+    )
     POOL_READY = "PoolReady", "The pool can start trials."
     POOL_NOT_READY = "PoolNotReady", "The pool is not ready; its own conditions say why."
     NOT_STARTED = "NotStarted", "The run has not started its loop yet."
     STEPPING = "Stepping", "Trials and updates are running."
-    WAITING_FOR_ROLLOUTS = "WaitingForRollouts", "The trainer waits for a full batch of trajectories."
+    WAITING_FOR_ROLLOUTS = (
+        "WaitingForRollouts",
+        "The trainer waits for a full batch of trajectories.",
+    )
     SYNCING_WEIGHTS = "SyncingWeights", "New weights are being loaded into the fleet."
     SUSPENDED = "Suspended", "spec.suspend is true: no new trials start, running ones finish."
     STOPPED = "Stopped", "The loop has stopped (see Succeeded / Failed)."
     MAX_STEPS_REACHED = "MaxStepsReached", "stop.maxSteps was reached."
-    TARGET_REWARD_REACHED = "TargetRewardReached", "stop.targetReward was reached on the validation split."
+    TARGET_REWARD_REACHED = (
+        "TargetRewardReached",
+        "stop.targetReward was reached on the validation split.",
+    )
     MAX_DURATION_REACHED = "MaxDurationReached", "stop.maxDurationSeconds elapsed."
     EVALUATION_COMPLETE = "EvaluationComplete", "An Evaluate run scored every task."
-    TRAINER_FAILED = "TrainerFailed", "The trainer exited with an error; the message has its last lines."
+    TRAINER_FAILED = (
+        "TrainerFailed",
+        "The trainer exited with an error; the message has its last lines.",
+    )
     STORE_UNAVAILABLE = "StoreUnavailable", "The run store cannot be read or written."
-    TOO_MANY_INFRA_FAILURES = "TooManyInfraFailures", "Infra failures exceeded the limit; the trials' reasons say where."
+    TOO_MANY_INFRA_FAILURES = (
+        "TooManyInfraFailures",
+        "Infra failures exceeded the limit; the trials' reasons say where.",
+    )
     AS_EXPECTED = "AsExpected", "Nothing is wrong."
-    FIDELITY_BELOW_THRESHOLD = "FidelityBelowThreshold", "Rollout vs. training probability correlation stayed below fidelity.minCorrelation."
-    HIGH_INFRA_FAILURE_RATE = "HighInfraFailureRate", "A large share of recent trials ended with infra reasons."
+    FIDELITY_BELOW_THRESHOLD = (
+        "FidelityBelowThreshold",
+        "Rollout vs. training probability correlation stayed below fidelity.minCorrelation.",
+    )
+    HIGH_INFRA_FAILURE_RATE = (
+        "HighInfraFailureRate",
+        "A large share of recent trials ended with infra reasons.",
+    )
     STALENESS_EXCEEDED = "StalenessExceeded", "Trajectories arrive older than the staleness limit."
 
 
@@ -156,6 +231,7 @@ def rfc3339(now: datetime) -> str:
 
 def set_condition(
     conditions: list[Condition],
+    *,
     type_: str,
     status: CONDITION_STATUS,
     reason: str,

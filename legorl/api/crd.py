@@ -176,7 +176,12 @@ def structural_problems(schema: dict[str, Any], path: str = "") -> list[str]:
         problems.append(f"{here}: unbounded list (add max_length)")
     if typ == "object" and "additionalProperties" in schema and "maxProperties" not in schema:
         problems.append(f"{here}: unbounded map (add max_length)")
-    if typ == "object" and not preserve and "properties" not in schema and "additionalProperties" not in schema:
+    if (
+        typ == "object"
+        and not preserve
+        and "properties" not in schema
+        and "additionalProperties" not in schema
+    ):
         problems.append(f"{here}: object without properties")
     for name, sub in schema.get("properties", {}).items():
         problems += structural_problems(sub, f"{path}.{name}")
@@ -192,7 +197,7 @@ def crd_for(kind: type[RolloutFleet] | type[SandboxPool] | type[RLRun]) -> dict[
     info = kind.crd
     fields = kind.model_fields
     spec_model = fields["spec"].annotation
-    status_model = [a for a in fields["status"].annotation.__args__ if a is not type(None)][0]  # type: ignore[union-attr]
+    status_model = next(a for a in fields["status"].annotation.__args__ if a is not type(None))  # type: ignore[union-attr]
     assert isinstance(spec_model, type) and issubclass(spec_model, BaseModel)
     spec = model_schema(spec_model)
     status = _strip_defaults(model_schema(status_model))

@@ -122,8 +122,13 @@ def api_reference() -> str:
             _rows(sub, f"spec.{name}", name in required, out)
         out += ["", "### Rules", "", "| where | message | CEL |", "| --- | --- | --- |"]
         _rules(root, "", out)
-        out += ["", "### Status", "", "| field | type | required | default | description |",
-                "| --- | --- | --- | --- | --- |"]
+        out += [
+            "",
+            "### Status",
+            "",
+            "| field | type | required | default | description |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for name, sub in root["properties"]["status"]["properties"].items():
             _rows(sub, f"status.{name}", False, out)
         out.append("")

@@ -90,8 +90,8 @@ class EngineSettings(ApiModel):
     """Return each token's routed experts (`--enable-return-routed-experts`), needed for routing replay."""
     tool_call_parser: Annotated[str, Field(max_length=MAX_SHORT, pattern=r"^[a-z0-9_]+$")] | None = None
     """vLLM tool-call parser for the policy's chat template (e.g. `hermes`, `qwen3_coder`)."""
-    extra_args: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_LIST)] = (
-        Field(default_factory=list)
+    extra_args: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_LIST)] = Field(
+        default_factory=list
     )
     """Extra vLLM arguments appended verbatim (e.g. `--max-num-batched-tokens=16384`)."""
     env: NamedList[EnvVar] = Field(default_factory=list)

@@ -63,9 +63,13 @@ class CrdInfo:
 
 def _ready_columns() -> tuple[PrinterColumn, PrinterColumn]:
     return (
-        PrinterColumn("Ready", '.status.conditions[?(@.type=="Ready")].status', description="Ready condition"),
         PrinterColumn(
-            "Reason", '.status.conditions[?(@.type=="Ready")].reason', description="Why (Ready condition)"
+            "Ready", '.status.conditions[?(@.type=="Ready")].status', description="Ready condition"
+        ),
+        PrinterColumn(
+            "Reason",
+            '.status.conditions[?(@.type=="Ready")].reason',
+            description="Why (Ready condition)",
         ),
     )
 
@@ -167,11 +171,18 @@ class RLRun(_Resource):
             PrinterColumn("Reason", ".status.reason", description="Why the run is in this phase"),
             AGE,
             PrinterColumn(
-                "Held-out", ".status.metrics.heldOutSolveRate", "number", "Held-out solve rate", priority=1
+                "Held-out",
+                ".status.metrics.heldOutSolveRate",
+                "number",
+                "Held-out solve rate",
+                priority=1,
             ),
             PrinterColumn(
-                "Fidelity", ".status.metrics.fidelityCorrelation", "number",
-                "Rollout vs. training probability correlation", priority=1,
+                "Fidelity",
+                ".status.metrics.fidelityCorrelation",
+                "number",
+                "Rollout vs. training probability correlation",
+                priority=1,
             ),
         ),
     )

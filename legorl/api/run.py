@@ -30,12 +30,12 @@ from legorl.api.common import (
     StorageLocation,
     TaskSetSource,
 )
+from legorl.api.fleet import DEFAULT_VLLM_IMAGE as _DEFAULT_VLLM_IMAGE
 from legorl.api.fleet import (
     EngineSettings,
     FleetParallelism,
     WeightSync,
 )
-from legorl.api.fleet import DEFAULT_VLLM_IMAGE as _DEFAULT_VLLM_IMAGE
 from legorl.api.pool import SandboxPoolSpec
 from legorl.api.trajectory import INFRA_REASONS, TerminationReason
 
@@ -195,7 +195,7 @@ class Algorithm(ApiModel):
         ),
         CelRule(
             rule="double(self.learningRate) > 0.0 && double(self.learningRate) < 1.0",
-            message="learningRate must be in (0, 1), e.g. \"1e-6\"",
+            message='learningRate must be in (0, 1), e.g. "1e-6"',
             field_path=".learningRate",
         ),
         CelRule(
@@ -303,7 +303,10 @@ class TrainerParallelism(ApiModel):
             field_path=".tensor",
         ),
         CelRule(
-            rule="self.gpusPerNode == 0 || ((self.nodes * self.gpusPerNode) / self.pipeline) % self.expert == 0",
+            rule=(
+                "self.gpusPerNode == 0 || "
+                "((self.nodes * self.gpusPerNode) / self.pipeline) % self.expert == 0"
+            ),
             message="expert parallelism must divide the GPUs of one pipeline stage",
             field_path=".expert",
         ),
@@ -394,7 +397,10 @@ class StopConditions(ApiModel):
             reason="FieldValueRequired",
         ),
         CelRule(
-            rule="!has(self.targetReward) || (double(self.targetReward) > 0.0 && double(self.targetReward) <= 1.0)",
+            rule=(
+                "!has(self.targetReward) || "
+                "(double(self.targetReward) > 0.0 && double(self.targetReward) <= 1.0)"
+            ),
             message="targetReward is a held-out solve rate in (0, 1]",
             field_path=".targetReward",
         ),
@@ -578,7 +584,9 @@ class RLRunStatus(ApiModel):
     """The `.metadata.generation` last reconciled."""
     conditions: Conditions = Field(default_factory=list)
     """`Validated`, `RolloutReady`, `SandboxesReady`, `Training`, `Succeeded`, `Failed`, `Degraded`."""
-    phase: Literal["Pending", "Invalid", "Suspended", "Running", "Degraded", "Succeeded", "Failed"] = "Pending"
+    phase: Literal["Pending", "Invalid", "Suspended", "Running", "Degraded", "Succeeded", "Failed"] = (
+        "Pending"
+    )
     """One-word summary derived from the conditions."""
     reason: Annotated[str, Field(max_length=MAX_SHORT * 2)] = ""
     """Reason of the condition that decided the phase."""

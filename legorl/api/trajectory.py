@@ -27,14 +27,26 @@ class TerminationReason(DocumentedEnum):
     """Why a trial ended — a closed set (DESIGN §5)."""
 
     COMPLETED = "completed", "The harness finished on its own; the reward comes from verification."
-    AGENT_ERROR = "agent_error", "The harness exited with an error of its own (bad tool call, crash)."
+    AGENT_ERROR = (
+        "agent_error",
+        "The harness exited with an error of its own (bad tool call, crash).",
+    )
     TURN_LIMIT = "turn_limit", "The harness used up its turn budget."
     CONTEXT_OVERFLOW = "context_overflow", "A prompt no longer fit the engine's context window."
     AGENT_TIMEOUT = "agent_timeout", "The agent stage ran past its deadline."
-    SANDBOX_ERROR = "sandbox_error", "The sandbox failed (pod evicted, OOM of the runtime, setup failed)."
-    ENGINE_ERROR = "engine_error", "The rollout engine failed or stayed unavailable past the retry budget."
+    SANDBOX_ERROR = (
+        "sandbox_error",
+        "The sandbox failed (pod evicted, OOM of the runtime, setup failed).",
+    )
+    ENGINE_ERROR = (
+        "engine_error",
+        "The rollout engine failed or stayed unavailable past the retry budget.",
+    )
     PROXY_ERROR = "proxy_error", "The proxy failed (journal write, upstream protocol error)."
-    VERIFIER_ERROR = "verifier_error", "Verification could not produce a result (tests did not run)."
+    VERIFIER_ERROR = (
+        "verifier_error",
+        "Verification could not produce a result (tests did not run).",
+    )
     DEFENSE_FAILED = "defense_failed", "A defense could not be applied or its self-test failed."
     CANCELLED = "cancelled", "The run stopped or was suspended while the trial ran."
 
@@ -122,7 +134,10 @@ TAMPER_TYPE: Final = pa.struct(
 )
 
 STAGE_TYPE: Final = pa.struct(
-    [pa.field("stage", pa.string(), nullable=False), pa.field("seconds", pa.float64(), nullable=False)]
+    [
+        pa.field("stage", pa.string(), nullable=False),
+        pa.field("seconds", pa.float64(), nullable=False),
+    ]
 )
 
 TRIAL_SCHEMA: Final = pa.schema(
@@ -161,9 +176,13 @@ def _check_routing(routed: list[int] | None, shape: tuple[int, int, int] | None,
     if routed is None or shape is None:
         raise TrajectoryError("routed_experts and routed_experts_shape go together")
     if shape[0] != rows:
-        raise TrajectoryError(f"routed_experts has {shape[0]} rows, expected {rows} (one per token but the last)")
+        raise TrajectoryError(
+            f"routed_experts has {shape[0]} rows, expected {rows} (one per token but the last)"
+        )
     if len(routed) != shape[0] * shape[1] * shape[2]:
-        raise TrajectoryError(f"routed_experts has {len(routed)} entries, shape {shape} needs {math.prod(shape)}")
+        raise TrajectoryError(
+            f"routed_experts has {len(routed)} entries, shape {shape} needs {math.prod(shape)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -274,7 +293,12 @@ class TamperFinding:
     """Something the agent did that could game the reward (recorded, shown, and filtered)."""
 
     kind: Literal[
-        "test_file_modified", "test_hook_added", "symlink", "binary_patch", "outside_repo", "egress_attempt"
+        "test_file_modified",
+        "test_hook_added",
+        "symlink",
+        "binary_patch",
+        "outside_repo",
+        "egress_attempt",
     ]
     detail: str
     path: str | None = None

@@ -148,8 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "render",
         help="print the resources the operator works from, with every default filled in",
         description=(
-            "Validate manifests and print each resource as the API server stores it, defaults "
-            "applied."
+            "Validate manifests and print each resource as the API server stores it, defaults applied."
         ),
     )
     p.add_argument("files", nargs="+", metavar="FILE", help="manifest files ('-' for stdin)")

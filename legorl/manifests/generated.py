@@ -118,7 +118,9 @@ def stale_files(root: Path) -> list[str]:
         expected = {Path(rel).name for rel in generated_files() if rel.startswith(folder + "/")}
         directory = root / folder
         if directory.is_dir():
-            stale += [f"{folder}/{p.name}" for p in sorted(directory.glob("*.yaml")) if p.name not in expected]
+            stale += [
+                f"{folder}/{p.name}" for p in sorted(directory.glob("*.yaml")) if p.name not in expected
+            ]
     return stale
 
 

@@ -39,7 +39,8 @@ def check_requests_within_limits(res: Resource) -> Iterator[Problem]:
                 yield Problem(
                     "error",
                     f"{path}.requests.{name}",
-                    f"request {req.requests[name]} is above the limit {limit}; lower the request or raise the limit",
+                    f"request {req.requests[name]} is above the limit {limit}; "
+                    "lower the request or raise the limit",
                     "preflight",
                 )
         for name in ("nvidia.com/gpu", "amd.com/gpu"):
@@ -117,8 +118,10 @@ def check_run_settings(res: Resource) -> Iterator[Problem]:
             f"maxSteps {max_steps}; only the start and the end are scored",
             "preflight",
         )
-    if spec.harness.kind == "Custom" and spec.harness.command and not any(
-        "{prompt}" in part for part in spec.harness.command
+    if (
+        spec.harness.kind == "Custom"
+        and spec.harness.command
+        and not any("{prompt}" in part for part in spec.harness.command)
     ):
         yield Problem(
             "warning",
@@ -127,7 +130,9 @@ def check_run_settings(res: Resource) -> Iterator[Problem]:
             "preflight",
         )
     if spec.fleet is not None:
-        yield from _fidelity_dtypes(spec.trainer.dtype, spec.fleet.settings.dtype, "spec.fleet.settings.dtype")
+        yield from _fidelity_dtypes(
+            spec.trainer.dtype, spec.fleet.settings.dtype, "spec.fleet.settings.dtype"
+        )
 
 
 def _fidelity_dtypes(trainer_dtype: str, engine_dtype: str, path: str) -> Iterator[Problem]:
@@ -161,7 +166,8 @@ def check_pool_defenses(res: Resource) -> Iterator[Problem]:
             yield Problem(
                 "warning",
                 f"{path}.defenses.{name}",
-                "this defense is relaxed: rewards from this pool can be gamed; use it only to debug harnesses",
+                "this defense is relaxed: rewards from this pool can be gamed; "
+                "use it only to debug harnesses",
                 "preflight",
             )
 
@@ -242,7 +248,10 @@ def _check_run_against_fleet(run: RLRun, fleet: RolloutFleet) -> Iterator[Proble
             f"{fleet.metadata.name!r} serves ({fleet.spec.model.uri}); point both at the same checkpoint",
             "preflight",
         )
-    if run.spec.trainer.routing_replay == "Enabled" and fleet.spec.settings.routed_experts_capture != "Enabled":
+    if (
+        run.spec.trainer.routing_replay == "Enabled"
+        and fleet.spec.settings.routed_experts_capture != "Enabled"
+    ):
         yield Problem(
             "error",
             "spec.trainer.routingReplay",

@@ -116,7 +116,9 @@ def cel_violations(schema: dict[str, Any], obj: Any, path: str = "") -> list[Rul
             ok = eval_rule(rule, obj, schema)
         except celpy.CELEvalError as exc:
             detail = exc.args[0] if exc.args else str(exc)
-            out.append(RuleViolation(where, rule, f"{entry['message']} (rule not evaluable: {detail})", False))
+            out.append(
+                RuleViolation(where, rule, f"{entry['message']} (rule not evaluable: {detail})", False)
+            )
             continue
         if not ok:
             out.append(RuleViolation(where, rule, entry["message"], True))

@@ -56,7 +56,7 @@ def _got(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _describe(error: ErrorDetails, schema: dict[str, Any]) -> str:  # noqa: PLR0911, PLR0912
+def _describe(error: ErrorDetails, schema: dict[str, Any]) -> str:
     kind = error["type"]
     ctx = error.get("ctx", {})
     value = error.get("input")
@@ -91,7 +91,7 @@ def _describe(error: ErrorDetails, schema: dict[str, Any]) -> str:  # noqa: PLR0
         if here.get("x-kubernetes-int-or-string"):
             return f"{_got(value)} is not a Kubernetes quantity; write e.g. 2, 500m, 16Gi"
         if "eE" in pattern:
-            return f"{_got(value)} is not a number; write it as a quoted decimal, e.g. \"0.2\" or \"1e-6\""
+            return f'{_got(value)} is not a number; write it as a quoted decimal, e.g. "0.2" or "1e-6"'
         if "sha256" in pattern:
             return f"{_got(value)} is not an image reference; write e.g. ghcr.io/org/image:tag"
         if pattern.startswith("^[a-z0-9]([-a-z0-9]*"):
@@ -99,7 +99,7 @@ def _describe(error: ErrorDetails, schema: dict[str, Any]) -> str:  # noqa: PLR0
         return f"{_got(value)} does not match the pattern {pattern}"
     if kind == "string_type":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return f"must be a string; quote the number: \"{value}\""
+            return f'must be a string; quote the number: "{value}"'
         return f"must be a string (got {type(value).__name__} {_got(value)})"
     if kind in ("int_type", "int_parsing", "int_from_float"):
         return f"must be an integer (got {type(value).__name__} {_got(value)})"
@@ -146,7 +146,14 @@ def validate_document(doc: Document) -> DocumentReport:
     report = DocumentReport(doc)
     body = doc.body
     if not isinstance(body, dict):
-        report.problems.append(Problem("error", "", "a manifest must be a mapping with apiVersion, kind, metadata and spec", "load"))
+        report.problems.append(
+            Problem(
+                "error",
+                "",
+                "a manifest must be a mapping with apiVersion, kind, metadata and spec",
+                "load",
+            )
+        )
         return report
     kind = body.get("kind")
     if kind not in KINDS:
@@ -157,11 +164,20 @@ def validate_document(doc: Document) -> DocumentReport:
         return report
     if body.get("apiVersion") != GROUP_VERSION:
         report.problems.append(
-            Problem("error", "apiVersion", f"must be {GROUP_VERSION!r} (got {_got(body.get('apiVersion'))})")
+            Problem(
+                "error",
+                "apiVersion",
+                f"must be {GROUP_VERSION!r} (got {_got(body.get('apiVersion'))})",
+            )
         )
     if "status" in body:
         report.problems.append(
-            Problem("warning", "status", "status is written by the operator and ignored when you apply", "load")
+            Problem(
+                "warning",
+                "status",
+                "status is written by the operator and ignored when you apply",
+                "load",
+            )
         )
         body = {k: v for k, v in body.items() if k != "status"}
     problems, resource = schema_problems(body, KINDS[kind])
