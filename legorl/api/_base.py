@@ -143,7 +143,7 @@ Seconds = Annotated[int, Field(ge=1, le=30 * 24 * 3600)]
 """A duration in whole seconds, at most 30 days."""
 
 
-_SUFFIX = {
+_SUFFIX: dict[str, Decimal | int] = {
     "": 1,
     "n": Decimal("1e-9"),
     "u": Decimal("1e-6"),

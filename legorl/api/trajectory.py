@@ -88,6 +88,8 @@ _ROUTING_FIELDS = [
     pa.field("routed_experts_shape", pa.list_(pa.int32(), 3), nullable=True),
 ]
 
+# Log-probabilities are float32: vLLM computes them in float32, so this stores exactly what the
+# engine produced (its JSON carries the same values widened to float64).
 TURN_SCHEMA: Final = pa.schema(
     [
         pa.field("run", pa.string(), nullable=False),
@@ -170,18 +172,20 @@ class TrajectoryError(ValueError):
     """A turn, segment or trial record breaks the contract (lengths, masks, shapes)."""
 
 
-def _check_routing(routed: list[int] | None, shape: tuple[int, int, int] | None, rows: int) -> None:
+def _check_routing(
+    where: str, routed: list[int] | None, shape: tuple[int, int, int] | None, rows: int
+) -> None:
     if routed is None and shape is None:
         return
     if routed is None or shape is None:
-        raise TrajectoryError("routed_experts and routed_experts_shape go together")
+        raise TrajectoryError(f"{where}: routed_experts and routed_experts_shape go together")
     if shape[0] != rows:
         raise TrajectoryError(
-            f"routed_experts has {shape[0]} rows, expected {rows} (one per token but the last)"
+            f"{where}: routed_experts has {shape[0]} rows, expected {rows} (one per token but the last)"
         )
-    if len(routed) != shape[0] * shape[1] * shape[2]:
+    if len(routed) != math.prod(shape):
         raise TrajectoryError(
-            f"routed_experts has {len(routed)} entries, shape {shape} needs {math.prod(shape)}"
+            f"{where}: routed_experts has {len(routed)} entries, shape {shape} needs {math.prod(shape)}"
         )
 
 
@@ -225,7 +229,7 @@ class Turn:
         if not self.policy_versions:
             raise TrajectoryError(f"turn {self.index}: no policy version recorded")
         rows = max(len(self.prompt_token_ids) + len(self.completion_token_ids) - 1, 0)
-        _check_routing(self.routed_experts, self.routed_experts_shape, rows)
+        _check_routing(f"turn {self.index}", self.routed_experts, self.routed_experts_shape, rows)
 
     def to_row(self) -> dict[str, Any]:
         row = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -273,7 +277,7 @@ class Segment:
             raise TrajectoryError(f"segment {self.index}: loss_mask holds values other than 0/1")
         if not self.turn_indices:
             raise TrajectoryError(f"segment {self.index}: built from no turns")
-        _check_routing(self.routed_experts, self.routed_experts_shape, max(n - 1, 0))
+        _check_routing(f"segment {self.index}", self.routed_experts, self.routed_experts_shape, max(n - 1, 0))
 
     def to_row(self) -> dict[str, Any]:
         row = {f.name: getattr(self, f.name) for f in fields(self)}

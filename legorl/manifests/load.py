@@ -58,8 +58,8 @@ def parse_documents(text: str, source: str) -> list[Document]:
         index = 0
         while loader.check_node():
             node = loader.get_node()
-            body = loader.construct_document(node)
-            if body is not None:
+            body = loader.construct_document(node) if node is not None else None
+            if node is not None and body is not None:
                 docs.append(Document(source, index, node.start_mark.line + 1, body))
             index += 1
     except yaml.YAMLError as exc:

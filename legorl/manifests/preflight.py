@@ -11,6 +11,8 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pydantic import BaseModel
+
 from legorl.api._base import parse_quantity
 from legorl.api.common import ContainerImage, EnvVar, ResourceRequirements
 from legorl.api.kinds import Resource, RLRun, RolloutFleet, SandboxPool
@@ -26,7 +28,7 @@ def _walk(obj: Any, path: str, kind: type[Any]) -> Iterator[tuple[str, Any]]:
     if isinstance(obj, list):
         for i, item in enumerate(obj):
             yield from _walk(item, f"{path}[{i}]", kind)
-    elif hasattr(obj, "model_fields"):
+    elif isinstance(obj, BaseModel):
         for name, info in type(obj).model_fields.items():
             alias = info.alias or name
             yield from _walk(getattr(obj, name), f"{path}.{alias}" if path else alias, kind)

@@ -16,6 +16,9 @@ from typing import Any
 
 import celpy
 from celpy import celtypes
+from celpy.adapter import json_to_cel
+from celpy.celparser import CELParseError
+from celpy.evaluation import CELEvalError
 
 _ENV = celpy.Environment()
 
@@ -29,7 +32,7 @@ def compile_rule(rule: str) -> celpy.Runner:
     """Compile a rule once; raises CelRuleError with the position on a syntax error."""
     try:
         return _ENV.program(_ENV.compile(rule))
-    except celpy.CELParseError as exc:
+    except CELParseError as exc:
         raise CelRuleError(f"CEL syntax error in {rule!r}: {exc.args[0] if exc.args else exc}") from exc
 
 
@@ -79,12 +82,12 @@ def _to_cel_input(obj: Any, schema: dict[str, Any]) -> Any:
 def eval_rule(rule: str, self_obj: Any, schema: dict[str, Any] | None = None) -> bool:
     """Evaluate one rule with `self` bound to `self_obj`.
 
-    Raises celpy.CELEvalError when the rule cannot be evaluated on this input (a missing
+    Raises CELEvalError when the rule cannot be evaluated on this input (a missing
     field without has(), a value of the wrong type), and CelRuleError for a broken rule.
     """
-    activation = {"self": celpy.json_to_cel(_to_cel_input(self_obj, schema or {}))}
+    activation = {"self": json_to_cel(_to_cel_input(self_obj, schema or {}))}
     result = compile_rule(rule).evaluate(activation)
-    if isinstance(result, celpy.CELEvalError):
+    if isinstance(result, CELEvalError):
         raise result
     if not isinstance(result, celtypes.BoolType):
         raise CelRuleError(f"rule {rule!r} returned {type(result).__name__}, not a boolean")
@@ -114,7 +117,7 @@ def cel_violations(schema: dict[str, Any], obj: Any, path: str = "") -> list[Rul
         where = _join(path, entry["fieldPath"]) if entry.get("fieldPath") else path
         try:
             ok = eval_rule(rule, obj, schema)
-        except celpy.CELEvalError as exc:
+        except CELEvalError as exc:
             detail = exc.args[0] if exc.args else str(exc)
             out.append(
                 RuleViolation(where, rule, f"{entry['message']} (rule not evaluable: {detail})", False)

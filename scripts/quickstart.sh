@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The main job on the embedded default, from a fresh clone: installs legorl into .venv, then
+# validates every example manifest and renders the tiny local RLRun with all defaults applied.
+# (`legorl run examples/tiny-local.yaml` replaces the render step once the embedded run lands.)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "error: legorl needs Python >= 3.11 ($PY is $("$PY" -V 2>&1)); set PYTHON=python3.11" >&2
+  exit 2
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e .
+
+.venv/bin/legorl validate examples/*.yaml
+.venv/bin/legorl render examples/tiny-local.yaml

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Run every check CI runs, from a fresh clone: creates .venv, installs legorl with its dev
+# extra, fetches helm (scripts/get-helm.sh), then lint, types, import layers, generated-file
+# drift and the test suite. Usage: bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "error: legorl needs Python >= 3.11 ($PY is $("$PY" -V 2>&1)); set PYTHON=python3.11" >&2
+  exit 2
+fi
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "virtualenv and dependencies"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+bash scripts/get-helm.sh .cache/tools
+export PATH="$PWD/.venv/bin:$PATH"
+export LEGORL_HELM="$PWD/.cache/tools/bin/helm"
+
+step "ruff (lint and format)"
+ruff check .
+ruff format --check .
+
+step "mypy"
+mypy
+
+step "import layers"
+lint-imports
+
+step "generated files (CRDs, chart CRDs, API reference) are current"
+legorl crds --check
+
+step "helm lint"
+"$LEGORL_HELM" lint --strict charts/legorl
+
+step "pytest"
+set +e
+python -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "error: pytest collected no tests" >&2
+  exit 1
+fi
+exit "$rc"

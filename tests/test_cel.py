@@ -1,0 +1,296 @@
+"""Every CEL rule in the generated CRDs compiles and is evaluated on passing and failing cases.
+
+The API server evaluates these rules with its own CEL runtime; here cel-python
+stands in for it. A rule added to a model without a case below fails
+`test_every_rule_has_cases`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from lark import Tree
+from lark.lexer import Token
+
+from legorl.api import KINDS
+from legorl.api.crd import openapi_schema
+from legorl.manifests.structural import _ENV, all_rules, compile_rule, eval_rule
+
+# Functions both the Kubernetes CEL environment and cel-python provide. A rule using anything
+# else would be accepted by one evaluator and not the other.
+PORTABLE_FUNCTIONS = {
+    "has",
+    "all",
+    "exists",
+    "exists_one",
+    "size",
+    "matches",
+    "startsWith",
+    "endsWith",
+    "contains",
+    "double",
+    "int",
+    "string",
+}
+
+
+def _rules() -> dict[str, dict[str, Any]]:
+    """Each distinct rule text, with one place it sits (kind + path) and its schema node."""
+    found: dict[str, dict[str, Any]] = {}
+    for kind in KINDS:
+        for path, entry in all_rules(openapi_schema(kind)):
+            found.setdefault(entry["rule"], {"where": f"{kind}{path}", **entry})
+    return found
+
+
+RULES = _rules()
+
+# needle (the start of one rule, or a substring unique to it)
+#   -> (self objects that pass, self objects that fail)
+CASES: dict[str, tuple[list[Any], list[Any]]] = {
+    "self.metadata.name.size() <= 40": (
+        [{"metadata": {"name": "run-1"}}, {"metadata": {"name": "a" * 40}}],
+        [
+            {"metadata": {"name": "a" * 41}},
+            {"metadata": {"name": "1run"}},
+            {"metadata": {"name": "Run"}},
+            {"metadata": {"name": "run-"}},
+            {"metadata": {"name": "my.run"}},
+        ],
+    ),
+    "self.uri.startsWith('hf://')": (
+        [{"uri": "hf://Qwen/Qwen3-8B"}, {"uri": "pvc://models/x"}, {"uri": "builtin://tiny-moe"}],
+        [{"uri": "http://example.com/model"}, {"uri": "/models/x"}, {"uri": "HF://x"}],
+    ),
+    "self.tensorParallelSize * self.pipelineParallelSize == self.gpusPerNode * self.nodesPerReplica": (
+        [
+            {"gpusPerNode": 4, "nodesPerReplica": 1, "tensorParallelSize": 4, "pipelineParallelSize": 1},
+            {"gpusPerNode": 8, "nodesPerReplica": 2, "tensorParallelSize": 8, "pipelineParallelSize": 2},
+            {"gpusPerNode": 0, "nodesPerReplica": 1, "tensorParallelSize": 1, "pipelineParallelSize": 1},
+        ],
+        [
+            {"gpusPerNode": 4, "nodesPerReplica": 1, "tensorParallelSize": 2, "pipelineParallelSize": 1},
+            {"gpusPerNode": 0, "nodesPerReplica": 1, "tensorParallelSize": 2, "pipelineParallelSize": 1},
+            {"gpusPerNode": 0, "nodesPerReplica": 2, "tensorParallelSize": 1, "pipelineParallelSize": 1},
+        ],
+    ),
+    "self.gpusPerNode == 0 || self.tensorParallelSize <= self.gpusPerNode": (
+        [{"gpusPerNode": 8, "tensorParallelSize": 8}, {"gpusPerNode": 0, "tensorParallelSize": 1}],
+        [{"gpusPerNode": 4, "tensorParallelSize": 8}],
+    ),
+    "self.expertParallel == 'Disabled' || self.tensorParallelSize > 1": (
+        [
+            {"expertParallel": "Disabled", "tensorParallelSize": 1},
+            {"expertParallel": "Enabled", "tensorParallelSize": 2},
+        ],
+        [{"expertParallel": "Enabled", "tensorParallelSize": 1}],
+    ),
+    "has(self.value) != has(self.valueFrom)": (
+        [
+            {"name": "A", "value": "1"},
+            {"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        ],
+        [
+            {"name": "A"},
+            {"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        ],
+    ),
+    "k.size() <= 63 && k.matches": (
+        [{"cpu": "1", "nvidia.com/gpu": 1, "ephemeral-storage": "1Gi"}, {}],
+        [{"CPU": "1"}, {"a/b/c": "1"}, {"x" * 64: "1"}],
+    ),
+    "k.size() <= 252 && k.matches": (
+        [{"node.kubernetes.io/instance-type": "p5", "gpu": "true"}],
+        [{"-bad": "x"}, {"a/b/c": "x"}, {"bad key": "x"}],
+    ),
+    "self.operator != 'Exists' || !has(self.value)": (
+        [{"operator": "Exists"}, {"operator": "Equal", "value": "x"}],
+        [{"operator": "Exists", "value": "x"}],
+    ),
+    "!has(self.tolerationSeconds)": (
+        [{"operator": "Exists"}, {"operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30}],
+        [
+            {"operator": "Exists", "tolerationSeconds": 30},
+            {"operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30},
+        ],
+    ),
+    "(has(self.images) && size(self.images) > 0) || has(self.taskSet)": (
+        [
+            {"images": ["a:1"]},
+            {"taskSet": {"uri": "s3://b/t.jsonl"}},
+            {"images": [], "taskSet": {"uri": "s3://x"}},
+        ],
+        [{}, {"images": []}],
+    ),
+    "self.uri.startsWith('builtin://')": (
+        [{"uri": "builtin://tiny-python"}, {"uri": "configmap://tasks/tasks.jsonl"}, {"uri": "s3://b/t"}],
+        [{"uri": "https://example.com/tasks.jsonl"}, {"uri": "tasks.jsonl"}],
+    ),
+    "!has(self.lookahead) || self.policy == 'Lookahead'": (
+        [{"policy": "All"}, {"policy": "Lookahead", "lookahead": 8}],
+        [{"policy": "All", "lookahead": 8}],
+    ),
+    "self.policy != 'Lookahead' || has(self.lookahead)": (
+        [{"policy": "Never"}, {"policy": "Lookahead", "lookahead": 1}],
+        [{"policy": "Lookahead"}],
+    ),
+    "has(self.fleetRef) != has(self.fleet)": (
+        [{"fleetRef": {"name": "f"}}, {"fleet": {}}],
+        [{}, {"fleetRef": {"name": "f"}, "fleet": {}}],
+    ),
+    "has(self.poolRef) != has(self.pool)": (
+        [{"poolRef": {"name": "p"}}, {"pool": {"source": {"images": ["a:1"]}}}],
+        [{}, {"poolRef": {"name": "p"}, "pool": {"source": {"images": ["a:1"]}}}],
+    ),
+    "self.trainer.routingReplay != 'Enabled'": (
+        [
+            {"trainer": {"routingReplay": "Enabled"}},
+            {
+                "trainer": {"routingReplay": "Enabled"},
+                "fleet": {"settings": {"routedExpertsCapture": "Enabled"}},
+            },
+            {
+                "trainer": {"routingReplay": "Auto"},
+                "fleet": {"settings": {"routedExpertsCapture": "Disabled"}},
+            },
+        ],
+        [
+            {
+                "trainer": {"routingReplay": "Enabled"},
+                "fleet": {"settings": {"routedExpertsCapture": "Disabled"}},
+            }
+        ],
+    ),
+    "self.kind != 'Custom' || (has(self.command)": (
+        [{"kind": "Codex"}, {"kind": "Custom", "command": ["my-agent", "{prompt}"]}],
+        [{"kind": "Custom"}, {"kind": "Custom", "command": []}],
+    ),
+    "self.kind != 'Custom' || has(self.apiFormat)": (
+        [{"kind": "OpenCode"}, {"kind": "Custom", "apiFormat": "OpenAIChatCompletions"}],
+        [{"kind": "Custom"}],
+    ),
+    "self.kind != 'ClaudeCode'": (
+        [{"kind": "ClaudeCode"}, {"kind": "ClaudeCode", "apiFormat": "AnthropicMessages"}],
+        [{"kind": "ClaudeCode", "apiFormat": "OpenAIResponses"}],
+    ),
+    "self.kind != 'Codex'": (
+        [{"kind": "Codex"}, {"kind": "OpenCode", "apiFormat": "AnthropicMessages"}],
+        [{"kind": "Codex", "apiFormat": "OpenAIChatCompletions"}],
+    ),
+    "has(self.heldOutPercent) != has(self.heldOutTaskIds)": (
+        [{"heldOutPercent": 10}, {"heldOutTaskIds": ["t1"]}],
+        [{}, {"heldOutPercent": 10, "heldOutTaskIds": ["t1"]}],
+    ),
+    "self.name == 'PPO' || self.groupSize >= 2": (
+        [{"name": "GRPO", "groupSize": 2}, {"name": "PPO", "groupSize": 1}],
+        [{"name": "GRPO", "groupSize": 1}, {"name": "GSPO", "groupSize": 1}],
+    ),
+    "double(self.learningRate) > 0.0": (
+        [{"learningRate": "1e-6"}, {"learningRate": "0.5"}],
+        [{"learningRate": "0"}, {"learningRate": "1"}, {"learningRate": "-1e-6"}, {"learningRate": "2.5"}],
+    ),
+    "!has(self.clipLow)": (
+        [{}, {"clipLow": "0.2"}],
+        [{"clipLow": "0"}, {"clipLow": "1.5"}],
+    ),
+    "!has(self.clipHigh)": (
+        [{}, {"clipHigh": "0.28"}, {"clipHigh": "4e-4"}],
+        [{"clipHigh": "0"}, {"clipHigh": "-0.1"}],
+    ),
+    "double(self.klCoef) >= 0.0": (
+        [{"klCoef": "0", "entropyCoef": "0"}, {"klCoef": "0.01", "entropyCoef": "1e-3"}],
+        [{"klCoef": "-0.1", "entropyCoef": "0"}, {"klCoef": "0", "entropyCoef": "-1"}],
+    ),
+    "double(self.cap) >= 1.0": ([{"cap": "1"}, {"cap": "2.0"}], [{"cap": "0.5"}]),
+    "double(self.temperature) > 0.0": (
+        [{"temperature": "1.0"}, {"temperature": "2"}],
+        [{"temperature": "0"}, {"temperature": "2.5"}],
+    ),
+    "double(self.topP) > 0.0": ([{"topP": "1.0"}, {"topP": "0.95"}], [{"topP": "0"}, {"topP": "1.01"}]),
+    "!has(self.maxStalenessSteps) || self.mode == 'Async'": (
+        [{"mode": "Sync"}, {"mode": "Async", "maxStalenessSteps": 2}],
+        [{"mode": "Sync", "maxStalenessSteps": 1}],
+    ),
+    "(self.nodes * self.gpusPerNode) % (self.tensor * self.pipeline * self.context) == 0": (
+        [
+            {"nodes": 4, "gpusPerNode": 8, "tensor": 2, "pipeline": 2, "expert": 8, "context": 1},
+            {"nodes": 1, "gpusPerNode": 0, "tensor": 1, "pipeline": 1, "expert": 1, "context": 1},
+        ],
+        [
+            {"nodes": 1, "gpusPerNode": 8, "tensor": 3, "pipeline": 1, "expert": 1, "context": 1},
+            {"nodes": 2, "gpusPerNode": 0, "tensor": 1, "pipeline": 1, "expert": 1, "context": 1},
+            {"nodes": 1, "gpusPerNode": 0, "tensor": 1, "pipeline": 1, "expert": 2, "context": 1},
+        ],
+    ),
+    "self.gpusPerNode == 0 || self.tensor <= self.gpusPerNode": (
+        [{"gpusPerNode": 8, "tensor": 8}],
+        [{"gpusPerNode": 4, "tensor": 8}],
+    ),
+    "% self.expert == 0": (
+        [
+            {"nodes": 2, "gpusPerNode": 8, "pipeline": 2, "expert": 8},
+            {"nodes": 1, "gpusPerNode": 0, "pipeline": 1, "expert": 1},
+        ],
+        [
+            {"nodes": 1, "gpusPerNode": 8, "pipeline": 2, "expert": 8},
+            {"nodes": 1, "gpusPerNode": 6, "pipeline": 1, "expert": 4},
+        ],
+    ),
+    "self.uri.startsWith('s3://')": (
+        [{"uri": "s3://bucket/runs"}, {"uri": "file:///var/lib/legorl"}, {"uri": "pvc://store/x"}],
+        [{"uri": "builtin://x"}, {"uri": "/var/lib/legorl"}, {"uri": "hf://org/x"}],
+    ),
+    "has(self.maxSteps) || has(self.maxDurationSeconds) || has(self.targetReward)": (
+        [{"maxSteps": 1}, {"maxDurationSeconds": 60}, {"targetReward": "0.5"}],
+        [{}, {"maxInfraFailurePercent": 50}],
+    ),
+    "!has(self.targetReward)": (
+        [{}, {"targetReward": "1"}, {"targetReward": "0.75"}],
+        [{"targetReward": "0"}, {"targetReward": "1.5"}],
+    ),
+    "double(self.minCorrelation) >= 0.0": (
+        [{"minCorrelation": "0.99"}, {"minCorrelation": "1"}, {"minCorrelation": "0"}],
+        [{"minCorrelation": "1.01"}, {"minCorrelation": "-0.5"}],
+    ),
+}
+
+
+def _rule_for(needle: str) -> str:
+    # A rule that starts with the needle wins; otherwise the needle must occur in exactly one rule.
+    matches = [rule for rule in RULES if rule.startswith(needle)] or [
+        rule for rule in RULES if needle in rule
+    ]
+    assert len(matches) == 1, f"needle {needle!r} matches {len(matches)} rules: {matches}"
+    return matches[0]
+
+
+def test_every_rule_has_cases() -> None:
+    covered = {_rule_for(needle) for needle in CASES}
+    missing = [f"{RULES[r]['where']}: {r}" for r in RULES if r not in covered]
+    assert not missing, "rules without pass/fail cases in tests/test_cel.py:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("rule", sorted(RULES), ids=lambda r: RULES[r]["where"])
+def test_rule_compiles_and_is_portable(rule: str) -> None:
+    compile_rule(rule)
+    called = set()
+    for tree in _ENV.compile(rule).iter_subtrees():
+        if tree.data in ("member_dot_arg", "ident_arg"):
+            called |= {str(c) for c in tree.children if isinstance(c, Token)}
+    assert called <= PORTABLE_FUNCTIONS, f"{rule}: uses {called - PORTABLE_FUNCTIONS}"
+    entry = RULES[rule]
+    assert entry["message"], "every rule needs a message a person can act on"
+    assert entry["reason"] in {"FieldValueInvalid", "FieldValueForbidden", "FieldValueRequired"}
+    assert isinstance(_ENV.compile(rule), Tree)
+
+
+@pytest.mark.parametrize("needle", sorted(CASES))
+def test_rule_passes_and_fails(needle: str) -> None:
+    rule = _rule_for(needle)
+    passing, failing = CASES[needle]
+    assert passing and failing, "each rule needs at least one passing and one failing case"
+    for obj in passing:
+        assert eval_rule(rule, obj) is True, f"{rule} should accept {obj}"
+    for obj in failing:
+        assert eval_rule(rule, obj) is False, f"{rule} should reject {obj}"

@@ -1,0 +1,148 @@
+"""The `legorl` command line: exit codes, output, and the error paths people hit."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.yaml"))
+
+Cli = Callable[..., tuple[int, str, str]]
+
+GOOD = (Path(__file__).parents[1] / "examples" / "tiny-local.yaml").read_text()
+
+
+def test_validate_examples_passes(run_cli: Cli) -> None:
+    code, out, _ = run_cli("validate", *map(str, EXAMPLES))
+    assert code == 0, out
+    assert out.splitlines()[-1] == "6 document(s): 0 error(s), 0 warning(s)"
+
+
+def test_validate_reports_every_problem_with_location(run_cli: Cli, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        GOOD.replace("groupSize: 4", "groupSize: 1")
+        .replace("maxTurns: 8", "maxTurn: 8")
+        .replace('learningRate: "1e-4"', "learningRate: 0.0001")
+    )
+    code, out, _ = run_cli("validate", str(bad))
+    assert code == 1
+    lines = [line for line in out.splitlines() if ": error: " in line]
+    assert all(line.startswith(f"{bad}:5 (RLRun/tiny-local): error: ") for line in lines), lines
+    text = "\n".join(lines)
+    assert "spec.harness.maxTurn: unknown field 'maxTurn'; did you mean 'maxTurns'?" in text
+    assert 'spec.algorithm.learningRate: must be a string; quote the number: "0.0001"' in text
+    # CEL problems are reported even while schema problems exist, where the rule can run.
+    assert "spec.algorithm.groupSize: GRPO and GSPO compare trials within a group" in text
+    assert out.splitlines()[-1] == "1 document(s): 3 error(s), 0 warning(s)"
+
+
+def test_validate_json_output(run_cli: Cli, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(GOOD.replace("groupSize: 4", "groupSize: 1"))
+    code, out, _ = run_cli("validate", "-o", "json", str(bad))
+    assert code == 1
+    report = json.loads(out)
+    assert report["documents"] == 1
+    (problem,) = report["problems"]
+    assert problem["path"] == "spec.algorithm.groupSize"
+    assert problem["check"] == "cel"
+    assert problem["severity"] == "error"
+
+
+def test_warnings_pass_unless_strict(run_cli: Cli, tmp_path: Path) -> None:
+    manifest = tmp_path / "warn.yaml"
+    manifest.write_text(GOOD.replace("maxSteps: 20", "maxSteps: 2"))
+    code, out, _ = run_cli("validate", str(manifest))
+    assert code == 0
+    assert "warning: spec.evaluation.intervalSteps: validation every 5 steps never happens mid-run" in out
+    code, _, _ = run_cli("validate", "--strict", str(manifest))
+    assert code == 1
+
+
+def test_validate_reads_stdin(run_cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(GOOD))
+    code, out, _ = run_cli("validate", "-")
+    assert code == 0, out
+    assert out.startswith("-:5 (RLRun/tiny-local): valid")
+
+
+def test_unreadable_and_malformed_files_exit_2(run_cli: Cli, tmp_path: Path) -> None:
+    code, _, err = run_cli("validate", str(tmp_path / "missing.yaml"))
+    assert code == 2
+    assert "missing.yaml: cannot read" in err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("kind: RLRun\nspec: [unclosed\n")
+    code, _, err = run_cli("validate", str(broken))
+    assert code == 2
+    assert f"{broken}:3:1: invalid YAML" in err
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing\n")
+    code, _, err = run_cli("validate", str(empty))
+    assert code == 2
+    assert "no YAML documents found" in err
+
+
+def test_unknown_kind_and_non_mapping(run_cli: Cli, tmp_path: Path) -> None:
+    manifest = tmp_path / "other.yaml"
+    manifest.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n---\n- a\n- b\n")
+    code, out, _ = run_cli("validate", str(manifest))
+    assert code == 1
+    assert (
+        "kind: unknown kind 'ConfigMap'; legorl manifests are one of RolloutFleet, SandboxPool, RLRun" in out
+    )
+    assert ":5: error: a manifest must be a mapping" in out
+
+
+def test_status_in_a_manifest_is_a_warning(run_cli: Cli, tmp_path: Path) -> None:
+    manifest = tmp_path / "status.yaml"
+    manifest.write_text(GOOD + "status:\n  step: 3\n")
+    code, out, _ = run_cli("validate", str(manifest))
+    assert code == 0
+    assert "warning: status: status is written by the operator" in out
+
+
+def test_references_resolve_across_documents(run_cli: Cli, tmp_path: Path) -> None:
+    shared = (Path(__file__).parents[1] / "examples" / "shared-fleet-and-pool.yaml").read_text()
+    runs_only = "---".join(part for part in shared.split("---") if "kind: RLRun" in part)
+    manifest = tmp_path / "runs.yaml"
+    manifest.write_text(runs_only)
+    code, out, _ = run_cli("validate", str(manifest))
+    assert code == 0
+    assert "warning: spec.fleetRef.name: RolloutFleet 'coder-fleet' is not among the given files" in out
+    mismatched = tmp_path / "mismatch.yaml"
+    mismatched.write_text(
+        shared.replace(
+            "uri: pvc://models/qwen3-coder-30b-a3b\n  replicas", "uri: pvc://models/other\n  replicas"
+        )
+    )
+    code, out, _ = run_cli("validate", str(mismatched))
+    assert code == 1
+    assert (
+        "error: spec.policy.checkpoint.uri: the run's policy pvc://models/qwen3-coder-30b-a3b differs" in out
+    )
+
+
+def test_render_refuses_invalid_input(run_cli: Cli, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(GOOD.replace("groupSize: 4", "groupSize: 1"))
+    code, out, err = run_cli("render", str(bad))
+    assert code == 1
+    assert out == ""
+    assert "nothing rendered" in err
+
+
+def test_crds_outside_a_checkout(run_cli: Cli, tmp_path: Path) -> None:
+    code, _, err = run_cli("crds", "--check", "--root", str(tmp_path))
+    assert code == 2
+    assert "not a legorl checkout" in err
+
+
+def test_help_lists_commands(run_cli: Cli) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("--help")
+    assert exit_info.value.code == 0

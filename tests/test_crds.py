@@ -1,0 +1,162 @@
+"""The generated CRDs: valid apiextensions.k8s.io/v1 objects, structural, complete, and never stale."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from legorl.api import KINDS
+from legorl.api.crd import all_crds, crd_for, structural_problems
+from legorl.manifests.generated import generated_files, stale_files
+
+K8S_VERSIONS = ("1.30", "1.33", "1.37")
+
+
+@pytest.mark.parametrize("name", sorted(all_crds()))
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_crd_is_a_valid_apiextensions_object(name: str, version: str) -> None:
+    kubernetes_validate.validate(all_crds()[name], version, strict=True)
+
+
+def test_validation_catches_a_broken_crd() -> None:
+    crd = crd_for(KINDS["RLRun"])
+    crd["spec"]["versions"][0]["served"] = "yes"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(crd, "1.33", strict=True)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_schema_is_structural_and_bounded(kind: str) -> None:
+    root = crd_for(KINDS[kind])["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert structural_problems(root["properties"]["spec"], ".spec") == []
+    assert structural_problems(root["properties"]["status"], ".status") == []
+
+
+def test_structural_check_finds_problems() -> None:
+    bad = {
+        "type": "object",
+        "properties": {
+            "free": {"type": "string"},
+            "list": {"type": "array", "items": {"type": "integer"}},
+            "untyped": {"description": "no type"},
+            "both": {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {}},
+        },
+    }
+    problems = structural_problems(bad)
+    assert any(".free: unbounded string" in p for p in problems)
+    assert any(".list: unbounded list" in p for p in problems)
+    assert any(".untyped: no type" in p for p in problems)
+    assert any(".both: properties and additionalProperties" in p for p in problems)
+
+
+def _version(kind: str) -> dict[str, Any]:
+    version: dict[str, Any] = crd_for(KINDS[kind])["spec"]["versions"][0]
+    return version
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_crd_metadata(kind: str) -> None:
+    crd = crd_for(KINDS[kind])
+    names = crd["spec"]["names"]
+    assert crd["metadata"]["name"] == f"{names['plural']}.legorl.dev"
+    assert names["kind"] == kind
+    assert "legorl" in names["categories"]
+    assert names["shortNames"]
+    version = _version(kind)
+    assert version["served"] and version["storage"]
+    assert version["subresources"]["status"] == {}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns[-1] == "Age" or "Age" in columns
+    assert "Reason" in columns
+
+
+def test_scale_subresource_for_fleets_and_pools_only() -> None:
+    for kind in ("RolloutFleet", "SandboxPool"):
+        scale = _version(kind)["subresources"]["scale"]
+        assert scale == {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        }
+        props = _version(kind)["schema"]["openAPIV3Schema"]["properties"]
+        assert props["spec"]["properties"]["replicas"]["type"] == "integer"
+        assert props["status"]["properties"]["replicas"]["type"] == "integer"
+        assert props["status"]["properties"]["selector"]["type"] == "string"
+    assert "scale" not in _version("RLRun")["subresources"]
+
+
+def test_printer_columns_point_at_real_fields() -> None:
+    for kind in KINDS:
+        version = _version(kind)
+        root = version["schema"]["openAPIV3Schema"]
+        for column in version["additionalPrinterColumns"]:
+            path = column["jsonPath"]
+            if path.startswith(".metadata"):
+                continue
+            node = root
+            # `.status.conditions[?(@.type=="Ready")].status` -> `.status.conditions[].status`
+            path = re.sub(r'\[\?\(@\.type=="[A-Za-z]+"\)\]', "[]", path)
+            for part in path.lstrip(".").split("."):
+                name = part.split("[", 1)[0]
+                node = node["properties"][name]
+                if "[" in part:
+                    node = node["items"]
+            assert node, f"{kind} column {column['name']} points at nothing"
+
+
+def test_every_spec_field_is_documented() -> None:
+    def walk(node: dict[str, Any], path: str) -> list[str]:
+        missing = []
+        for name, sub in node.get("properties", {}).items():
+            if not sub.get("description"):
+                missing.append(f"{path}.{name}")
+            missing += walk(sub, f"{path}.{name}")
+        if isinstance(node.get("items"), dict):
+            missing += walk(node["items"], f"{path}[]")
+        return missing
+
+    for kind in KINDS:
+        root = _version(kind)["schema"]["openAPIV3Schema"]
+        assert walk(root["properties"]["spec"], f"{kind}.spec") == []
+        assert walk(root["properties"]["status"], f"{kind}.status") == []
+
+
+def test_generated_files_are_committed_and_current(repo: Path) -> None:
+    assert stale_files(repo) == [], "run `legorl crds` and commit the result"
+    for rel in generated_files():
+        if rel.endswith(".yaml"):
+            assert yaml.safe_load((repo / rel).read_text()) is not None
+
+
+def test_crds_check_fails_after_a_model_change_without_regeneration(repo: Path, tmp_path: Path) -> None:
+    """`legorl crds --check` is what CI runs; change a model in a copy of the tree and it must fail."""
+    copy = tmp_path / "checkout"
+    shutil.copytree(repo / "legorl", copy / "legorl", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("crds", "charts", "docs"):
+        shutil.copytree(repo / folder, copy / folder)
+    run_py = copy / "legorl" / "api" / "run.py"
+    source = run_py.read_text()
+    assert "group_size: Annotated[int, Field(ge=1, le=512)] = 8" in source
+    run_py.write_text(source.replace("Field(ge=1, le=512)] = 8", "Field(ge=1, le=256)] = 8"))
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    check = [sys.executable, "-m", "legorl.cli", "crds", "--check", "--root", str(copy)]
+
+    stale = subprocess.run(check, capture_output=True, text=True, env=env, cwd=copy, check=False)
+    assert stale.returncode == 1, stale.stdout + stale.stderr
+    assert "stale generated file: crds/legorl.dev_rlruns.yaml" in stale.stderr
+    assert "stale generated file: charts/legorl/crds/legorl.dev_rlruns.yaml" in stale.stderr
+
+    regenerate = [sys.executable, "-m", "legorl.cli", "crds", "--root", str(copy)]
+    subprocess.run(regenerate, capture_output=True, text=True, env=env, cwd=copy, check=True)
+    fresh = subprocess.run(check, capture_output=True, text=True, env=env, cwd=copy, check=False)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "maximum: 256" in (copy / "crds" / "legorl.dev_rlruns.yaml").read_text()

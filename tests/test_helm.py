@@ -1,0 +1,270 @@
+"""The Helm chart: lint, render, schema validation, CRD parity, least-privilege RBAC, restricted pods."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "legorl"
+CRDS = REPO / "crds"
+RELEASE = "demo"
+NAMESPACE = "legorl-system"
+FULLNAME = f"{RELEASE}-legorl"
+OPERATOR_ROLE = f"{FULLNAME}-operator"
+K8S_VERSIONS = ("1.30", "1.33")
+CUSTOM_RESOURCES = ("rlruns", "sandboxpools", "rolloutfleets")
+
+Doc = dict[str, Any]
+
+VALUE_SETS: dict[str, list[str]] = {
+    "default": [],
+    "ui": ["ui.enabled=true"],
+    "watch-namespaces": ["watchNamespaces={a,b}"],
+    "existing-service-account": ["serviceAccount.create=false", "serviceAccount.name=existing-sa"],
+}
+
+pytestmark = pytest.mark.helm
+
+
+def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run helm with ARGS; never raises on a non-zero exit."""
+    return subprocess.run([helm, *args], capture_output=True, text=True, check=False, timeout=120)
+
+
+def set_flags(values: list[str]) -> list[str]:
+    return [flag for value in values for flag in ("--set", value)]
+
+
+def render(helm: str, values: list[str] | None = None, *, include_crds: bool = False) -> list[Doc]:
+    """`helm template` the chart with VALUES (`key=value` strings); the non-empty parsed documents."""
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, *set_flags(values or [])]
+    if include_crds:
+        args.append("--include-crds")
+    result = run_helm(helm, *args)
+    assert result.returncode == 0, f"helm template {values} failed:\n{result.stderr}"
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def of_kind(docs: list[Doc], kind: str) -> list[Doc]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def named(docs: list[Doc], kind: str, name: str) -> Doc:
+    matches = [doc for doc in of_kind(docs, kind) if doc["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind} {name!r}, found {len(matches)}"
+    return matches[0]
+
+
+def rules(docs: list[Doc]) -> list[tuple[str, Doc]]:
+    """Every RBAC rule of every (Cluster)Role, labelled with its owner."""
+    return [
+        (f"{doc['kind']}/{doc['metadata']['name']}", rule)
+        for doc in docs
+        if doc["kind"] in ("ClusterRole", "Role")
+        for rule in doc.get("rules", [])
+    ]
+
+
+# --- lint and render ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values", [[], ["ui.enabled=true"], ["watchNamespaces={a,b}"]], ids=["default", "ui", "watch-namespaces"]
+)
+def test_lint_strict(helm: str, values: list[str]) -> None:
+    result = run_helm(helm, "lint", "--strict", str(CHART), *set_flags(values))
+    assert result.returncode == 0, f"helm lint --strict {values} failed:\n{result.stdout}\n{result.stderr}"
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+def test_rendered_objects_validate(helm: str, values: list[str], k8s_version: str) -> None:
+    docs = render(helm, values, include_crds=True)
+    assert of_kind(docs, "Deployment"), "no Deployment rendered"
+    assert len(of_kind(docs, "CustomResourceDefinition")) == 3
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, k8s_version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} is invalid for {k8s_version}: {exc}")
+
+
+def test_existing_service_account_is_used(helm: str) -> None:
+    docs = render(helm, VALUE_SETS["existing-service-account"])
+    assert not of_kind(docs, "ServiceAccount")
+    pod = named(docs, "Deployment", OPERATOR_ROLE)["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "existing-sa"
+    for binding in of_kind(docs, "ClusterRoleBinding") + of_kind(docs, "RoleBinding"):
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "existing-sa", "namespace": NAMESPACE}
+        ]
+
+
+# --- CRDs -----------------------------------------------------------------------------------------
+
+
+def test_chart_crds_match_generated_crds(helm: str) -> None:
+    chart_crds = {path.name: path.read_bytes() for path in sorted((CHART / "crds").glob("*.yaml"))}
+    repo_crds = {path.name: path.read_bytes() for path in sorted(CRDS.glob("*.yaml"))}
+    assert repo_crds, "crds/ holds no CRDs"
+    assert chart_crds.keys() == repo_crds.keys(), "charts/legorl/crds and crds/ hold different files"
+    for name, content in repo_crds.items():
+        assert chart_crds[name] == content, f"charts/legorl/crds/{name} differs from crds/{name}"
+
+    rendered = {
+        doc["metadata"]["name"]: doc
+        for doc in of_kind(render(helm, include_crds=True), "CustomResourceDefinition")
+    }
+    expected = {}
+    for content in repo_crds.values():
+        crd = yaml.safe_load(content)
+        expected[crd["metadata"]["name"]] = crd
+    assert rendered == expected
+    assert set(rendered) == {f"{plural}.legorl.dev" for plural in CUSTOM_RESOURCES}
+
+
+# --- RBAC -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_rbac_has_no_wildcards_and_no_secrets(helm: str, values: list[str]) -> None:
+    found = rules(render(helm, values))
+    assert found, "no RBAC rules rendered"
+    for owner, rule in found:
+        for key in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule.get(key, []), f"{owner} uses '*' in {key}: {rule}"
+        resources = rule.get("resources", [])
+        assert not any(r == "secrets" or r.startswith("secrets/") for r in resources), (
+            f"{owner} grants access to secrets: {rule}"
+        )
+
+
+def test_operator_patches_its_resources_and_never_updates(helm: str) -> None:
+    role = named(render(helm), "ClusterRole", OPERATOR_ROLE)
+    verbs: dict[str, set[str]] = {}
+    for rule in role["rules"]:
+        if "legorl.dev" in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                verbs.setdefault(resource, set()).update(rule["verbs"])
+    for plural in CUSTOM_RESOURCES:
+        for resource in (plural, f"{plural}/status"):
+            assert "patch" in verbs.get(resource, set()), f"{OPERATOR_ROLE} cannot patch {resource}"
+            assert "update" not in verbs[resource], f"{OPERATOR_ROLE} grants update on {resource}"
+
+
+def test_cluster_wide_by_default(helm: str) -> None:
+    docs = render(helm)
+    binding = named(docs, "ClusterRoleBinding", OPERATOR_ROLE)
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": OPERATOR_ROLE,
+    }
+    assert not of_kind(docs, "RoleBinding")
+
+
+def test_watch_namespaces_bind_per_namespace(helm: str) -> None:
+    docs = render(helm, ["watchNamespaces={a,b}"])
+    cluster_bound = [
+        doc["metadata"]["name"]
+        for doc in of_kind(docs, "ClusterRoleBinding")
+        if doc["roleRef"]["name"] == OPERATOR_ROLE
+    ]
+    assert not cluster_bound, (
+        f"watchNamespaces set, yet {OPERATOR_ROLE} is bound cluster-wide: {cluster_bound}"
+    )
+    role_bindings = [doc for doc in of_kind(docs, "RoleBinding") if doc["roleRef"]["name"] == OPERATOR_ROLE]
+    assert sorted(doc["metadata"]["namespace"] for doc in role_bindings) == ["a", "b"]
+    for binding in role_bindings:
+        assert binding["roleRef"]["kind"] == "ClusterRole"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}]
+    args = named(docs, "Deployment", OPERATOR_ROLE)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=a" in args
+    assert "--namespace=b" in args
+
+
+def test_ui_reads_only_the_watched_namespaces(helm: str) -> None:
+    docs = render(helm, ["ui.enabled=true", "watchNamespaces={a,b}"])
+    ui_role = f"{FULLNAME}-ui"
+    assert not [d for d in of_kind(docs, "ClusterRoleBinding") if d["roleRef"]["name"] == ui_role]
+    bindings = [d for d in of_kind(docs, "RoleBinding") if d["roleRef"]["name"] == ui_role]
+    assert sorted(d["metadata"]["namespace"] for d in bindings) == ["a", "b"]
+
+
+def test_ui_role_is_read_only(helm: str) -> None:
+    docs = render(helm, ["ui.enabled=true"])
+    role = named(docs, "ClusterRole", f"{FULLNAME}-ui")
+    assert role["rules"]
+    for rule in role["rules"]:
+        assert set(rule["verbs"]) <= {"get", "list", "watch"}, f"UI role grants more than reads: {rule}"
+    assert not of_kind(render(helm), "Service"), "the UI renders although ui.enabled is false"
+
+
+# --- pod security ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_pods_meet_restricted_standard(helm: str, values: list[str]) -> None:
+    deployments = of_kind(render(helm, values), "Deployment")
+    assert deployments
+    if "ui.enabled=true" in values:
+        assert len(deployments) == 2, "ui.enabled=true renders no UI Deployment"
+    for deployment in deployments:
+        name = deployment["metadata"]["name"]
+        pod = deployment["spec"]["template"]["spec"]
+        security = pod.get("securityContext", {})
+        assert security.get("runAsNonRoot") is True, f"{name}: runAsNonRoot is not true"
+        assert security.get("seccompProfile") == {"type": "RuntimeDefault"}, f"{name}: seccompProfile"
+        assert not pod.get("hostNetwork"), f"{name}: hostNetwork"
+        assert not pod.get("hostPID"), f"{name}: hostPID"
+        assert not pod.get("hostIPC"), f"{name}: hostIPC"
+        for volume in pod.get("volumes", []):
+            assert "hostPath" not in volume, f"{name}: hostPath volume {volume['name']}"
+        containers = pod["containers"] + pod.get("initContainers", [])
+        assert containers
+        for container in containers:
+            where = f"{name}/{container['name']}"
+            context = container.get("securityContext", {})
+            assert context.get("allowPrivilegeEscalation") is False, f"{where}: allowPrivilegeEscalation"
+            assert context.get("readOnlyRootFilesystem") is True, f"{where}: readOnlyRootFilesystem"
+            assert "ALL" in context.get("capabilities", {}).get("drop", []), f"{where}: capabilities"
+            assert context.get("privileged") is not True, f"{where}: privileged"
+            requests = container.get("resources", {}).get("requests", {})
+            assert requests.get("cpu") and requests.get("memory"), f"{where}: resources.requests"
+            assert "livenessProbe" in container, f"{where}: no livenessProbe"
+            assert "readinessProbe" in container, f"{where}: no readinessProbe"
+
+
+# --- values schema --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "key"),
+    [
+        ("image.pullPolicy=Sometimes", "pullPolicy"),
+        ("podSecurityContext.runAsNonRoot=false", "runAsNonRoot"),
+        ("securityContext.allowPrivilegeEscalation=true", "allowPrivilegeEscalation"),
+        ("unknownKey=1", "unknownKey"),
+        ("operator.healthPort=80", "healthPort"),
+        ("operator.logLevel=verbose", "logLevel"),
+        ("operator.defaultStoreUri=ftp://x", "defaultStoreUri"),
+        ("watchNamespaces={Bad_NS}", "watchNamespaces"),
+        ("ui.service.type=ExternalName", "type"),
+        ("securityContext.readOnlyRootFilesystem=false", "readOnlyRootFilesystem"),
+        ("securityContext.privileged=true", "privileged"),
+        ("securityContext.capabilities=null", "capabilities"),
+        ("securityContext.capabilities.drop={NET_RAW}", "drop"),
+        ("podSecurityContext.seccompProfile=null", "seccompProfile"),
+        ("podSecurityContext.seccompProfile.type=Unconfined", "type"),
+    ],
+)
+def test_schema_rejects_bad_values(helm: str, value: str, key: str) -> None:
+    result = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--set", value)
+    assert result.returncode != 0, f"helm template accepted --set {value}"
+    assert key in result.stderr, f"the error for --set {value} does not name {key!r}:\n{result.stderr}"
