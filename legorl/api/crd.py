@@ -97,18 +97,16 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[s
             rest.pop("default")
         return _structural({**options[0], **rest}, defs, path)
     if "patternProperties" in node:
-        # dict[Annotated[str, pattern], V]: the key pattern becomes a CEL rule on the map.
+        # dict[Annotated[str, pattern], V]: a structural schema cannot constrain map keys, and a
+        # CEL regex over keys of unbounded length would blow the API server's cost budget. The
+        # key rule goes into the description; legorl validate enforces it, and Kubernetes does
+        # again when it validates the pods built from these maps.
         ((key_pattern, value_schema),) = node.pop("patternProperties").items()
         max_key = node.pop("propertyNames", {}).get("maxLength", 253)
         node["additionalProperties"] = value_schema
-        cel_pattern = key_pattern.replace("\\", "\\\\")
-        node.setdefault("x-kubernetes-validations", []).append(
-            {
-                "rule": f"self.all(k, k.size() <= {max_key} && k.matches('{cel_pattern}'))",
-                "message": f"every key must be at most {max_key} characters and match {key_pattern}",
-                "reason": "FieldValueInvalid",
-            }
-        )
+        node["description"] = (
+            f"{node.get('description', '')} Keys: at most {max_key} characters matching {key_pattern}."
+        ).strip()
     if node.get("additionalProperties") is False:
         node.pop("additionalProperties")
     if node.get("type") == "object" and node.get("additionalProperties") is True:

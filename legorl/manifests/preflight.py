@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from legorl.api._base import parse_quantity
 from legorl.api.common import ContainerImage, EnvVar, ResourceRequirements
 from legorl.api.kinds import Resource, RLRun, RolloutFleet, SandboxPool
+from legorl.api.pool import ImageSource
 from legorl.manifests.problems import DocumentReport, Problem
 
 _SECRETISH = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
@@ -67,14 +68,20 @@ def check_secrets_not_inline(res: Resource) -> Iterator[Problem]:
             )
 
 
+def _unpinned(ref: str) -> bool:
+    tail = ref.rsplit("/", 1)[-1]
+    return "@sha256:" not in ref and (":" not in tail or tail.endswith(":latest"))
+
+
 def check_images_pinned(res: Resource) -> Iterator[Problem]:
-    for path, image in _walk(res.spec, "spec", ContainerImage):
-        ref = image.image
-        tail = ref.rsplit("/", 1)[-1]
-        if "@sha256:" not in ref and (":" not in tail or tail.endswith(":latest")):
+    refs = [(f"{path}.image", image.image) for path, image in _walk(res.spec, "spec", ContainerImage)]
+    for path, source in _walk(res.spec, "spec", ImageSource):
+        refs += [(f"{path}.images[{i}]", ref) for i, ref in enumerate(source.images)]
+    for path, ref in refs:
+        if _unpinned(ref):
             yield Problem(
                 "warning",
-                f"{path}.image",
+                path,
                 f"{ref} is not pinned; use a version tag or a digest so runs are reproducible",
                 "preflight",
             )

@@ -33,6 +33,8 @@ def dotted(loc: tuple[int | str, ...] | list[int | str]) -> str:
     """`('spec', 'env', 2, 'name')` → `spec.env[2].name`."""
     out = ""
     for part in loc:
+        if part == "[key]":  # pydantic's marker for a bad map key: the key itself is the path
+            continue
         if isinstance(part, int):
             out += f"[{part}]"
         else:

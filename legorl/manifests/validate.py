@@ -96,6 +96,8 @@ def _describe(error: ErrorDetails, schema: dict[str, Any]) -> str:
             return f"{_got(value)} is not an image reference; write e.g. ghcr.io/org/image:tag"
         if pattern.startswith("^[a-z0-9]([-a-z0-9]*"):
             return f"{_got(value)} is not a valid name: use lowercase letters, digits and '-'"
+        if loc and loc[-1] == "[key]":
+            return f"key {_got(value)} is not allowed: keys must match {pattern}"
         return f"{_got(value)} does not match the pattern {pattern}"
     if kind == "string_type":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
