@@ -5,16 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3}
-if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
-  echo "error: legorl needs Python >= 3.11 ($PY is $("$PY" -V 2>&1)); set PYTHON=python3.11" >&2
-  exit 2
-fi
+. scripts/_python.sh
 
 step() { printf '\n==> %s\n' "$*"; }
 
 step "virtualenv and dependencies"
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 bash scripts/get-helm.sh .cache/tools
 export PATH="$PWD/.venv/bin:$PATH"

@@ -9,14 +9,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
-API_GROUP = "legorl.dev"
-API_VERSION = "v1alpha1"
-GROUP_VERSION = f"{API_GROUP}/{API_VERSION}"
+GROUP_VERSION: Final = "legorl.dev/v1alpha1"
+API_GROUP, API_VERSION = GROUP_VERSION.split("/")
 
 # Bounds that keep every CEL rule's cost estimable by the API server: every
 # string has a maxLength and every list a maxItems.

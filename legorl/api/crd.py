@@ -25,15 +25,13 @@ GENERATED_HEADER = (
     "# change the models and run `legorl crds` (CI fails when this file is stale).\n"
 )
 
-# JSON-schema keywords a structural schema may carry, and those we drop on purpose.
-_KEEP = {
+# JSON-schema keywords a structural schema may carry, in the order the YAML files list them;
+# everything else is dropped on purpose (_DROP) or refused (CrdSchemaError).
+SCHEMA_KEYWORDS = (
     "type",
     "description",
-    "properties",
-    "required",
-    "items",
-    "enum",
     "default",
+    "enum",
     "minimum",
     "maximum",
     "minLength",
@@ -42,14 +40,18 @@ _KEEP = {
     "minItems",
     "maxItems",
     "maxProperties",
-    "additionalProperties",
     "anyOf",
-    "x-kubernetes-validations",
     "x-kubernetes-int-or-string",
     "x-kubernetes-preserve-unknown-fields",
     "x-kubernetes-list-type",
     "x-kubernetes-list-map-keys",
-}
+    "required",
+    "properties",
+    "items",
+    "additionalProperties",
+    "x-kubernetes-validations",
+)
+_KEEP = frozenset(SCHEMA_KEYWORDS)
 _DROP = {"title", "$defs", "format", "uniqueItems"}
 
 

@@ -111,11 +111,10 @@ class WeightSync(ApiModel):
     """Limit for one whole update; a replica that misses it is restarted."""
 
 
-class RolloutFleetSpec(ApiModel):
-    """Desired state of a RolloutFleet."""
+class FleetTemplate(ApiModel):
+    """Everything about a fleet except the model it starts from. An RLRun's inline `fleet` is a
+    FleetTemplate serving the run's own policy checkpoint."""
 
-    model: ModelSource
-    """The policy checkpoint served at version 0 (later versions come from the trainer)."""
     served_model_name: DnsLabel = "policy"
     """Model name the engine answers to; the proxy maps harness model names onto it."""
     replicas: Annotated[int, Field(ge=0, le=1024)] = 1
@@ -140,6 +139,13 @@ class RolloutFleetSpec(ApiModel):
     """How long a replica may take to load the model before it counts as failed."""
     max_unavailable: Annotated[int, Field(ge=0, le=1024)] = 1
     """PodDisruptionBudget: replicas that voluntary disruptions may take down at once."""
+
+
+class RolloutFleetSpec(FleetTemplate):
+    """Desired state of a RolloutFleet."""
+
+    model: ModelSource
+    """The policy checkpoint served at version 0 (later versions come from the trainer)."""
 
 
 class FleetEndpoint(ApiModel):

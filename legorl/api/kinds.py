@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -89,18 +89,23 @@ class ObjectMeta(BaseModel):
     generation: int | None = None
 
 
-class _Resource(ApiModel):
-    # Whole objects may carry server-set metadata; spec and status stay strict.
-    model_config = ConfigDict(extra="forbid")
+SpecT = TypeVar("SpecT", bound=ApiModel)
+StatusT = TypeVar("StatusT", bound=ApiModel)
+
+
+class _Resource(ApiModel, Generic[SpecT, StatusT]):
+    """A whole object: apiVersion, kind, metadata (server-set fields pass through), spec, status."""
 
     crd: ClassVar[CrdInfo]
 
-    api_version: Annotated[str, Field(alias="apiVersion")]
-    kind: str
+    api_version: Annotated[Literal["legorl.dev/v1alpha1"], Field(alias="apiVersion")] = GROUP_VERSION
+    kind: str  # each kind narrows this to its own Literal
     metadata: ObjectMeta
+    spec: SpecT
+    status: StatusT | None = None
 
 
-class RolloutFleet(_Resource):
+class RolloutFleet(_Resource[RolloutFleetSpec, RolloutFleetStatus]):
     """vLLM replicas serving a policy, with routed-expert capture and weight sync."""
 
     crd: ClassVar[CrdInfo] = CrdInfo(
@@ -119,13 +124,10 @@ class RolloutFleet(_Resource):
         ),
     )
 
-    api_version: Annotated[Literal["legorl.dev/v1alpha1"], Field(alias="apiVersion")] = GROUP_VERSION  # type: ignore[assignment]
     kind: Literal["RolloutFleet"] = "RolloutFleet"
-    spec: RolloutFleetSpec
-    status: RolloutFleetStatus | None = None
 
 
-class SandboxPool(_Resource):
+class SandboxPool(_Resource[SandboxPoolSpec, SandboxPoolStatus]):
     """Where trials run: cached task images, the trial pod shape and staged defenses."""
 
     crd: ClassVar[CrdInfo] = CrdInfo(
@@ -149,13 +151,10 @@ class SandboxPool(_Resource):
         ),
     )
 
-    api_version: Annotated[Literal["legorl.dev/v1alpha1"], Field(alias="apiVersion")] = GROUP_VERSION  # type: ignore[assignment]
     kind: Literal["SandboxPool"] = "SandboxPool"
-    spec: SandboxPoolSpec
-    status: SandboxPoolStatus | None = None
 
 
-class RLRun(_Resource):
+class RLRun(_Resource[RLRunSpec, RLRunStatus]):
     """One RL experiment: policy, harness, tasks, algorithm, trainer and stop conditions."""
 
     crd: ClassVar[CrdInfo] = CrdInfo(
@@ -187,10 +186,7 @@ class RLRun(_Resource):
         ),
     )
 
-    api_version: Annotated[Literal["legorl.dev/v1alpha1"], Field(alias="apiVersion")] = GROUP_VERSION  # type: ignore[assignment]
     kind: Literal["RLRun"] = "RLRun"
-    spec: RLRunSpec
-    status: RLRunStatus | None = None
 
 
 KINDS: dict[str, type[RolloutFleet] | type[SandboxPool] | type[RLRun]] = {

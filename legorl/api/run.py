@@ -30,12 +30,7 @@ from legorl.api.common import (
     StorageLocation,
     TaskSetSource,
 )
-from legorl.api.fleet import DEFAULT_VLLM_IMAGE as _DEFAULT_VLLM_IMAGE
-from legorl.api.fleet import (
-    EngineSettings,
-    FleetParallelism,
-    WeightSync,
-)
+from legorl.api.fleet import FleetTemplate
 from legorl.api.pool import SandboxPoolSpec
 from legorl.api.trajectory import INFRA_REASONS, TerminationReason
 
@@ -355,27 +350,6 @@ class TrainerSpec(ApiModel):
     """ServiceAccount and pull secrets for trainer pods."""
 
 
-class InlineFleet(ApiModel):
-    """A RolloutFleet owned by this run; it serves the run's policy checkpoint."""
-
-    replicas: Annotated[int, Field(ge=0, le=1024)] = 1
-    """Engine replicas."""
-    engine: ContainerImage = Field(default_factory=lambda: ContainerImage(image=_DEFAULT_VLLM_IMAGE))
-    """The vLLM image."""
-    parallelism: FleetParallelism = Field(default_factory=FleetParallelism)
-    """GPU and node layout of one replica."""
-    settings: EngineSettings = Field(default_factory=EngineSettings)
-    """Engine settings."""
-    weight_sync: WeightSync = Field(default_factory=WeightSync)
-    """How policy updates are loaded."""
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
-    """Resources of each engine pod."""
-    placement: Placement = Field(default_factory=Placement)
-    """Node selection for engine pods."""
-    identity: PodIdentity = Field(default_factory=PodIdentity)
-    """ServiceAccount and pull secrets of engine pods."""
-
-
 class Checkpoints(ApiModel):
     """Trainer checkpoints (the weights published to the fleet are separate and always kept)."""
 
@@ -484,8 +458,8 @@ class RLRunSpec(ApiModel):
     """The policy."""
     fleet_ref: LocalObjectReference | None = None
     """A shared RolloutFleet; this run takes its weight-update lease when training."""
-    fleet: InlineFleet | None = None
-    """A RolloutFleet created for and owned by this run."""
+    fleet: FleetTemplate | None = None
+    """A RolloutFleet created for and owned by this run, serving `policy.checkpoint`."""
     pool_ref: LocalObjectReference | None = None
     """A shared SandboxPool."""
     pool: SandboxPoolSpec | None = None

@@ -7,36 +7,11 @@ from typing import Any
 
 import yaml
 
-from legorl.api.crd import GENERATED_HEADER, all_crds
+from legorl.api.crd import GENERATED_HEADER, SCHEMA_KEYWORDS, all_crds
 from legorl.api.docs import api_reference
 
 CRD_DIRS = ("crds", "charts/legorl/crds")
 API_REFERENCE = "docs/api-reference.md"
-
-_SCHEMA_KEY_ORDER = [
-    "type",
-    "description",
-    "default",
-    "enum",
-    "minimum",
-    "maximum",
-    "minLength",
-    "maxLength",
-    "pattern",
-    "minItems",
-    "maxItems",
-    "maxProperties",
-    "anyOf",
-    "x-kubernetes-int-or-string",
-    "x-kubernetes-preserve-unknown-fields",
-    "x-kubernetes-list-type",
-    "x-kubernetes-list-map-keys",
-    "required",
-    "properties",
-    "items",
-    "additionalProperties",
-    "x-kubernetes-validations",
-]
 
 
 def _order_schema(node: Any) -> Any:
@@ -47,7 +22,7 @@ def _order_schema(node: Any) -> Any:
     if "type" not in node and "properties" not in node and "x-kubernetes-int-or-string" not in node:
         return {k: _order_schema(v) for k, v in node.items()}
     ordered: dict[str, Any] = {}
-    for key in _SCHEMA_KEY_ORDER:
+    for key in SCHEMA_KEYWORDS:
         if key in node:
             value = node[key]
             if key == "properties":
