@@ -86,15 +86,17 @@ CASES: dict[str, tuple[list[Any], list[Any]]] = {
         ],
         [{"expertParallel": "Enabled", "tensorParallelSize": 1}],
     ),
-    "has(self.value) != has(self.valueFrom)": (
+    "!(has(self.value) && has(self.valueFrom))": (
         [
             {"name": "A", "value": "1"},
             {"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+            {"name": "EMPTY"},
         ],
-        [
-            {"name": "A"},
-            {"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
-        ],
+        [{"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+    ),
+    "self.operator == 'Exists' || has(self.key)": (
+        [{"operator": "Exists"}, {"operator": "Equal", "key": "gpu", "value": "x"}],
+        [{"operator": "Equal"}, {"operator": "Equal", "value": "x", "effect": "NoSchedule"}],
     ),
     "self.operator != 'Exists' || !has(self.value)": (
         [{"operator": "Exists"}, {"operator": "Equal", "value": "x"}],
@@ -127,13 +129,21 @@ CASES: dict[str, tuple[list[Any], list[Any]]] = {
         [{"policy": "Never"}, {"policy": "Lookahead", "lookahead": 1}],
         [{"policy": "Lookahead"}],
     ),
-    "has(self.fleetRef) != has(self.fleet)": (
+    "has(self.fleetRef) || has(self.fleet)": (
         [{"fleetRef": {"name": "f"}}, {"fleet": {}}],
-        [{}, {"fleetRef": {"name": "f"}, "fleet": {}}],
+        [{}],
     ),
-    "has(self.poolRef) != has(self.pool)": (
+    "!(has(self.fleetRef) && has(self.fleet))": (
+        [{"fleetRef": {"name": "f"}}, {"fleet": {}}, {}],
+        [{"fleetRef": {"name": "f"}, "fleet": {}}],
+    ),
+    "has(self.poolRef) || has(self.pool)": (
         [{"poolRef": {"name": "p"}}, {"pool": {"source": {"images": ["a:1"]}}}],
-        [{}, {"poolRef": {"name": "p"}, "pool": {"source": {"images": ["a:1"]}}}],
+        [{}],
+    ),
+    "!(has(self.poolRef) && has(self.pool))": (
+        [{"poolRef": {"name": "p"}}, {}],
+        [{"poolRef": {"name": "p"}, "pool": {"source": {"images": ["a:1"]}}}],
     ),
     "self.trainer.routingReplay != 'Enabled'": (
         [
@@ -170,9 +180,13 @@ CASES: dict[str, tuple[list[Any], list[Any]]] = {
         [{"kind": "Codex"}, {"kind": "OpenCode", "apiFormat": "AnthropicMessages"}],
         [{"kind": "Codex", "apiFormat": "OpenAIChatCompletions"}],
     ),
-    "has(self.heldOutPercent) != has(self.heldOutTaskIds)": (
+    "has(self.heldOutPercent) || has(self.heldOutTaskIds)": (
         [{"heldOutPercent": 10}, {"heldOutTaskIds": ["t1"]}],
-        [{}, {"heldOutPercent": 10, "heldOutTaskIds": ["t1"]}],
+        [{}],
+    ),
+    "!(has(self.heldOutPercent) && has(self.heldOutTaskIds))": (
+        [{"heldOutPercent": 10}, {}],
+        [{"heldOutPercent": 10, "heldOutTaskIds": ["t1"]}],
     ),
     "self.name == 'PPO' || self.groupSize >= 2": (
         [{"name": "GRPO", "groupSize": 2}, {"name": "PPO", "groupSize": 1}],

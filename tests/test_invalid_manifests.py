@@ -118,7 +118,8 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
     ("missing-harness", "RLRun", del_("spec.harness"), "spec.harness"),
     ("missing-harness-kind", "RLRun", del_("spec.harness.kind"), "spec.harness.kind"),
     ("unknown-harness", "RLRun", set_("spec.harness.kind", "Cursor"), "spec.harness.kind"),
-    ("fleet-and-fleetref", "RLRun", set_("spec.fleetRef", {"name": "shared"}), "spec"),
+    ("fleet-and-fleetref", "RLRun", set_("spec.fleetRef", {"name": "shared"}), "spec.fleet"),
+    ("no-fleet", "RLRun", del_("spec.fleet"), "spec"),
     ("no-pool", "RLRun", del_("spec.pool"), "spec"),
     (
         "staleness-in-sync-mode",
@@ -156,8 +157,8 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
     (
         "split-percent-and-ids",
         "RLRun",
-        set_("spec.tasks.split", {"heldOutPercent": 10, "heldOutTaskIds": ["t1"]}),
-        "spec.tasks.split",
+        set_("spec.tasks.split.heldOutTaskIds", {"heldOutPercent": 10, "heldOutTaskIds": ["t1"]}),
+        "spec.tasks.split.heldOutTaskIds",
     ),
     (
         "held-out-too-large",
@@ -181,7 +182,7 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
             "spec.harness.env[0].valueFrom",
             {"secretKeyRef": {"name": "s", "key": "k"}},
         ),
-        "spec.harness.env[0]",
+        "spec.harness.env[0].valueFrom",
     ),
     (
         "bad-quantity",

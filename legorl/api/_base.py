@@ -72,6 +72,24 @@ class CelRule:
         return out
 
 
+def exactly_one(first: str, second: str, hint: str) -> tuple[CelRule, CelRule]:
+    """Two rules for "set exactly one of `first` and `second`": one for neither (Required),
+    one for both (Forbidden), so each failure carries the right reason."""
+    return (
+        CelRule(
+            rule=f"has(self.{first}) || has(self.{second})",
+            message=f"set one of {first} or {second}: {hint}",
+            reason="FieldValueRequired",
+        ),
+        CelRule(
+            rule=f"!(has(self.{first}) && has(self.{second}))",
+            message=f"set only one of {first} or {second}, not both: {hint}",
+            field_path=f".{second}",
+            reason="FieldValueForbidden",
+        ),
+    )
+
+
 def cel(*cel_rules: CelRule) -> dict[str, Any]:
     """`json_schema_extra` carrying CEL rules, for a field."""
     return {"x-kubernetes-validations": [r.to_schema() for r in cel_rules]}
@@ -92,7 +110,7 @@ QUANTITY_RE = (
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 # A decimal number written as a string (spec fields carry no floats).
-DECIMAL_RE = r"^-?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))([eE][-+]?[0-9]+)?$"
+DECIMAL_RE = r"^-?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))([eE][-+]?[0-9]{1,2})?$"
 # An OCI image reference: [registry/]repository[:tag][@digest].
 IMAGE_RE = (
     r"^([a-zA-Z0-9.-]+(:[0-9]+)?/)?[a-z0-9]+([._-][a-z0-9]+)*(/[a-z0-9]+([._-][a-z0-9]+)*)*"
@@ -188,7 +206,7 @@ def _unique_names(items: list[T]) -> list[T]:
     return items
 
 
-def _unique_values(items: list[T]) -> list[T]:
+def unique_values(items: list[T]) -> list[T]:
     seen: set[object] = set()
     for item in items:
         if item in seen:
@@ -210,6 +228,6 @@ NamedList = Annotated[
 UniqueList = Annotated[
     list[T],
     Field(max_length=MAX_LIST, json_schema_extra={"x-kubernetes-list-type": "set"}),
-    AfterValidator(_unique_values),
+    AfterValidator(unique_values),
 ]
 """A list of unique scalars (a list-set to the API server)."""

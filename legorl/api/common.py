@@ -57,8 +57,10 @@ class EnvVar(ApiModel):
 
     model_config = rules(
         CelRule(
-            rule="has(self.value) != has(self.valueFrom)",
-            message="set exactly one of value or valueFrom",
+            rule="!(has(self.value) && has(self.valueFrom))",
+            message="set value or valueFrom, not both",
+            field_path=".valueFrom",
+            reason="FieldValueForbidden",
         )
     )
 
@@ -74,6 +76,12 @@ class Toleration(ApiModel):
     """A pod toleration, as in core/v1."""
 
     model_config = rules(
+        CelRule(
+            rule="self.operator == 'Exists' || has(self.key)",
+            message="a toleration without a key must use operator Exists (it then tolerates every taint)",
+            field_path=".key",
+            reason="FieldValueRequired",
+        ),
         CelRule(
             rule="self.operator != 'Exists' || !has(self.value)",
             message="a toleration with operator Exists must not set value",

@@ -11,19 +11,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from enum import StrEnum
 
+from legorl.api._enum import DocumentedEnum
 from legorl.api.common import CONDITION_STATUS, Condition
-
-
-class DocumentedEnum(StrEnum):
-    """A string enum whose members carry a one-line meaning (used by docs and the UI)."""
-
-    description: str
-
-    def __new__(cls, value: str, description: str = "") -> DocumentedEnum:
-        member = str.__new__(cls, value)
-        member._value_ = value
-        member.description = description
-        return member
 
 
 class FleetConditionType(StrEnum):
@@ -165,7 +154,8 @@ class RunReason(DocumentedEnum):
     )
     REFERENCE_NOT_FOUND = (
         "ReferenceNotFound",
-        "A referenced RolloutFleet, SandboxPool or Secret does not exist.",
+        "A referenced RolloutFleet or SandboxPool does not exist (a missing Secret shows on the "
+        "pods that reference it, as CreateContainerConfigError).",
     )
     FLEET_READY = "FleetReady", "The fleet serves this run's policy."
     FLEET_NOT_READY = "FleetNotReady", "The fleet is not ready; its own conditions say why."

@@ -59,8 +59,18 @@ class CrdSchemaError(ValueError):
     """A model produced a schema the API server would not accept as structural."""
 
 
+def _without_empties(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_empties(v) for k, v in value.items() if v not in ([], {}, None)}
+    return value
+
+
 class _Generator(GenerateJsonSchema):
-    """Emits defaults built by default factories too (e.g. `stop: {maxSteps: 100}`)."""
+    """Emits defaults built by default factories too (e.g. `stop: {maxSteps: 100, ...}`).
+
+    Object defaults are written fully populated: the API server checks a default against its
+    node's schema and CEL rules as written, without applying the nested defaults first.
+    """
 
     def get_default_value(self, schema: core_schema.WithDefaultSchema) -> Any:
         factory = schema.get("default_factory")
@@ -70,7 +80,7 @@ class _Generator(GenerateJsonSchema):
             return NoDefault
         value = factory()  # type: ignore[call-arg]
         if isinstance(value, BaseModel):
-            return value.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+            return _without_empties(value.model_dump(mode="json", by_alias=True, exclude_none=True))
         if value in ([], {}):
             return NoDefault
         return value
@@ -211,7 +221,9 @@ def crd_for(kind: type[RolloutFleet] | type[SandboxPool] | type[RLRun]) -> dict[
         "properties": {
             "apiVersion": {"type": "string", "description": "API version: legorl.dev/v1alpha1."},
             "kind": {"type": "string", "description": f"Kind: {info.kind}."},
-            "metadata": {"type": "object"},
+            # Only name and generateName may be declared under metadata; declaring name lets the
+            # root rule point its fieldPath at it.
+            "metadata": {"type": "object", "properties": {"name": {"type": "string"}}},
             "spec": spec,
             "status": status,
         },

@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 from legorl.api._base import GROUP_VERSION
+from legorl.api._enum import DocumentedEnum
 from legorl.api.conditions import (
-    DocumentedEnum,
     FleetConditionType,
     FleetReason,
     PoolConditionType,
@@ -18,7 +18,7 @@ from legorl.api.conditions import (
 )
 from legorl.api.crd import crd_for
 from legorl.api.kinds import KINDS
-from legorl.api.trajectory import INFRA_REASONS, TerminationReason
+from legorl.api.termination import INFRA_REASONS, TerminationReason
 
 
 def _type_of(schema: dict[str, Any]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from legorl.api._base import (
     MAX_SHORT,
@@ -16,6 +16,7 @@ from legorl.api._base import (
     Seconds,
     Text,
     rules,
+    unique_values,
 )
 from legorl.api.common import (
     Conditions,
@@ -44,6 +45,7 @@ class ImageSource(ApiModel):
     images: Annotated[
         list[ImageRef],
         Field(max_length=MAX_IMAGES, json_schema_extra={"x-kubernetes-list-type": "set"}),
+        AfterValidator(unique_values),
     ] = Field(default_factory=list)
     """Task images (repository + dependencies baked in), e.g. one per SWE-bench instance."""
     task_set: TaskSetSource | None = None

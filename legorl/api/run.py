@@ -16,6 +16,7 @@ from legorl.api._base import (
     Seconds,
     Text,
     UniqueList,
+    exactly_one,
     rules,
 )
 from legorl.api.common import (
@@ -32,7 +33,7 @@ from legorl.api.common import (
 )
 from legorl.api.fleet import FleetTemplate
 from legorl.api.pool import SandboxPoolSpec
-from legorl.api.trajectory import INFRA_REASONS, TerminationReason
+from legorl.api.termination import INFRA_REASONS, TerminationReason
 
 HarnessKind = Literal["ClaudeCode", "Codex", "OpenCode", "OpenHands", "MiniSweAgent", "Custom"]
 ApiFormatName = Literal["AnthropicMessages", "OpenAIResponses", "OpenAIChatCompletions"]
@@ -109,10 +110,7 @@ class Split(ApiModel):
     """Which tasks are held out for validation: a percentage or an explicit list, not both."""
 
     model_config = rules(
-        CelRule(
-            rule="has(self.heldOutPercent) != has(self.heldOutTaskIds)",
-            message="set exactly one of heldOutPercent or heldOutTaskIds",
-        ),
+        *exactly_one("heldOutPercent", "heldOutTaskIds", "a share of the tasks, or a list of task ids"),
     )
 
     held_out_percent: Annotated[int, Field(ge=0, le=90)] | None = None
@@ -424,16 +422,8 @@ class RLRunSpec(ApiModel):
     """Desired state of an RLRun."""
 
     model_config = rules(
-        CelRule(
-            rule="has(self.fleetRef) != has(self.fleet)",
-            message="set exactly one of fleetRef (a shared RolloutFleet) or fleet (one owned by this run)",
-            reason="FieldValueRequired",
-        ),
-        CelRule(
-            rule="has(self.poolRef) != has(self.pool)",
-            message="set exactly one of poolRef (a shared SandboxPool) or pool (one owned by this run)",
-            reason="FieldValueRequired",
-        ),
+        *exactly_one("fleetRef", "fleet", "a shared RolloutFleet, or one owned by this run"),
+        *exactly_one("poolRef", "pool", "a shared SandboxPool, or one owned by this run"),
         CelRule(
             rule=(
                 "!has(self.fleet) || self.trainer.routingReplay != 'Enabled' || "
@@ -479,7 +469,8 @@ class RLRunSpec(ApiModel):
     checkpoints: Checkpoints = Field(default_factory=Checkpoints)
     """Trainer checkpoints."""
     store: StorageLocation | None = None
-    """Run store for trajectories, metrics and weights; defaults to the operator's store."""
+    """Run store for trajectories, metrics and weights; defaults to the operator's store on a
+    cluster and to `./.legorl/runs/<name>` for `legorl run`."""
     stop: StopConditions = Field(default_factory=lambda: StopConditions(max_steps=100))
     """When the run ends."""
     evaluation: Evaluation = Field(default_factory=Evaluation)

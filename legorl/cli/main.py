@@ -115,7 +115,8 @@ def _cmd_crds(args: argparse.Namespace) -> int:
 
 
 def _cmd_version(_: argparse.Namespace) -> int:
-    from legorl.api import API_GROUP, API_VERSION, SCHEMA_VERSION, __version__  # noqa: PLC0415
+    from legorl.api import API_GROUP, API_VERSION, __version__  # noqa: PLC0415
+    from legorl.api.trajectory import SCHEMA_VERSION  # noqa: PLC0415
 
     print(f"legorl {__version__} (API {API_GROUP}/{API_VERSION}, trajectory schema v{SCHEMA_VERSION})")
     return EXIT_OK
