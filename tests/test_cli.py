@@ -146,3 +146,83 @@ def test_help_lists_commands(run_cli: Cli) -> None:
     with pytest.raises(SystemExit) as exit_info:
         run_cli("--help")
     assert exit_info.value.code == 0
+
+
+def test_duplicate_keys_are_an_error_as_in_kubectl(run_cli: Cli, tmp_path: Path) -> None:
+    manifest = tmp_path / "dup.yaml"
+    manifest.write_text(GOOD.replace("    replicas: 1\n", "    replicas: 1\n    replicas: 2\n"))
+    code, _, err = run_cli("validate", str(manifest))
+    assert code == 2
+    assert "found duplicate key 'replicas' (first at line" in err
+
+
+def test_unquoted_dates_stay_strings(run_cli: Cli, tmp_path: Path) -> None:
+    manifest = tmp_path / "date.yaml"
+    manifest.write_text(
+        GOOD.replace(
+            "      uri: builtin://tiny-moe", "      uri: builtin://tiny-moe\n      revision: 2024-01-01"
+        )
+    )
+    code, out, _ = run_cli("validate", str(manifest))
+    assert code == 0, out
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "apiVersion: legorl.dev/v1alpha1\nkind: [RLRun]\nmetadata: {name: x}\n",
+            "kind: unknown kind ['RLRun']",
+        ),
+        ("x: &a [*a]\n", "a YAML alias refers to itself"),
+        (
+            GOOD.replace("    replicas: 1", "    replicas: 99999999999999999999"),
+            "spec.fleet.replicas: must be ≤ 1024",
+        ),
+        (
+            GOOD.replace("  name: tiny-local", "  name: tiny-local\n  annotations: {a: !!binary aGk=}"),
+            "metadata.annotations.a",
+        ),
+        (
+            GOOD.replace("  name: tiny-local", "  name: tiny-local\n  generation: 99999999999999999999"),
+            "metadata.generation: must be ≤",
+        ),
+        (GOOD.replace("spec:\n", "spec: null\n").split("  policy:")[0], "spec: required field is missing"),
+        (
+            "apiVersion: legorl.dev/v1alpha1\nkind: RLRun\nmetadata: []\nspec: {}\n",
+            "metadata: must be a mapping",
+        ),
+    ],
+    ids=[
+        "kind-is-a-list",
+        "recursive-alias",
+        "huge-int",
+        "binary-value",
+        "huge-generation",
+        "null-spec",
+        "list-metadata",
+    ],
+)
+def test_odd_yaml_gets_a_clear_answer_not_a_traceback(
+    run_cli: Cli, tmp_path: Path, text: str, expected: str
+) -> None:
+    manifest = tmp_path / "odd.yaml"
+    manifest.write_text(text)
+    code, out, err = run_cli("validate", str(manifest))
+    assert code in (0, 1, 2)
+    assert expected in out + err, out + err
+
+
+def test_integer_map_keys_are_not_list_indexes(run_cli: Cli, tmp_path: Path) -> None:
+    manifest = tmp_path / "intkey.yaml"
+    manifest.write_text(
+        GOOD.replace(
+            "    dtype: float32\n    routingReplay",
+            "    dtype: float32\n    resources: {limits: {1: 2}}\n    routingReplay",
+        )
+    )
+    code, out, _ = run_cli("validate", str(manifest))
+    assert code == 1
+    assert (
+        "error: spec.trainer.resources.limits.1: key 1" in out or "spec.trainer.resources.limits.1:" in out
+    ), out

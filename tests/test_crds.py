@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -17,6 +18,7 @@ import yaml
 from legorl.api import KINDS
 from legorl.api.crd import all_crds, crd_for, structural_problems
 from legorl.manifests.generated import generated_files, stale_files
+from legorl.manifests.structural import cel_violations
 
 K8S_VERSIONS = ("1.30", "1.33", "1.37")
 
@@ -56,6 +58,53 @@ def test_structural_check_finds_problems() -> None:
     assert any(".list: unbounded list" in p for p in problems)
     assert any(".untyped: no type" in p for p in problems)
     assert any(".both: properties and additionalProperties" in p for p in problems)
+
+
+def _nodes(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every schema node with its path."""
+    found = [(path or ".", schema)]
+    for name, sub in schema.get("properties", {}).items():
+        found += _nodes(sub, f"{path}.{name}")
+    for key, suffix in (("items", "[]"), ("additionalProperties", ".*")):
+        if isinstance(schema.get(key), dict):
+            found += _nodes(schema[key], path + suffix)
+    return found
+
+
+def _root(kind: str) -> dict[str, Any]:
+    root: dict[str, Any] = crd_for(KINDS[kind])["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return root
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_rule_field_path_resolves(kind: str) -> None:
+    """The API server refuses a CRD whose rule points its fieldPath at an undeclared field."""
+    for where, node in _nodes(_root(kind)):
+        for rule in node.get("x-kubernetes-validations", []):
+            if "fieldPath" not in rule:
+                continue
+            target = node
+            for part in rule["fieldPath"].lstrip(".").split("."):
+                assert part in target.get("properties", {}), (
+                    f"{kind}{where}: {rule['fieldPath']} does not resolve"
+                )
+                target = target["properties"][part]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_default_passes_its_own_schema_and_rules(kind: str) -> None:
+    """The API server checks each default as written (no nested defaulting first) against the
+    schema and the CEL rules of its node; a default that fails makes the CRD uninstallable."""
+    checked = 0
+    for where, node in _nodes(_root(kind)):
+        if "default" not in node:
+            continue
+        default = node["default"]
+        jsonschema.Draft7Validator(node).validate(default)
+        violations = cel_violations(node, default)
+        assert violations == [], f"{kind}{where}: default {default} breaks {violations}"
+        checked += 1
+    assert checked > 20
 
 
 def _version(kind: str) -> dict[str, Any]:
@@ -159,4 +208,6 @@ def test_crds_check_fails_after_a_model_change_without_regeneration(repo: Path, 
     subprocess.run(regenerate, capture_output=True, text=True, env=env, cwd=copy, check=True)
     fresh = subprocess.run(check, capture_output=True, text=True, env=env, cwd=copy, check=False)
     assert fresh.returncode == 0, fresh.stderr
-    assert "maximum: 256" in (copy / "crds" / "legorl.dev_rlruns.yaml").read_text()
+    regenerated = yaml.safe_load((copy / "crds" / "legorl.dev_rlruns.yaml").read_text())
+    spec = regenerated["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["properties"]["algorithm"]["properties"]["groupSize"]["maximum"] == 256

@@ -156,6 +156,12 @@ def test_operator_patches_its_resources_and_never_updates(helm: str) -> None:
         for resource in (plural, f"{plural}/status"):
             assert "patch" in verbs.get(resource, set()), f"{OPERATOR_ROLE} cannot patch {resource}"
             assert "update" not in verbs[resource], f"{OPERATOR_ROLE} grants update on {resource}"
+        # Blocking ownerReferences need update on the owner's finalizers, and nothing else.
+        assert verbs[f"{plural}/finalizers"] == {"update"}
+    # An RLRun's inline fleet and pool are created (and deleted) by the operator; RLRuns never.
+    for plural in ("rolloutfleets", "sandboxpools"):
+        assert {"create", "delete"} <= verbs[plural]
+    assert not {"create", "delete"} & verbs["rlruns"]
 
 
 def test_cluster_wide_by_default(helm: str) -> None:
@@ -195,6 +201,20 @@ def test_ui_reads_only_the_watched_namespaces(helm: str) -> None:
     assert not [d for d in of_kind(docs, "ClusterRoleBinding") if d["roleRef"]["name"] == ui_role]
     bindings = [d for d in of_kind(docs, "RoleBinding") if d["roleRef"]["name"] == ui_role]
     assert sorted(d["metadata"]["namespace"] for d in bindings) == ["a", "b"]
+
+
+def test_ui_action_token_adds_only_rlrun_patch(helm: str) -> None:
+    docs = render(helm, ["ui.enabled=true", "ui.actionTokenSecret=ui-token"])
+    role = named(docs, "ClusterRole", f"{FULLNAME}-ui")
+    writes = [r for r in role["rules"] if set(r["verbs"]) - {"get", "list", "watch"}]
+    assert writes == [{"apiGroups": ["legorl.dev"], "resources": ["rlruns"], "verbs": ["patch"]}]
+    env = named(docs, "Deployment", f"{FULLNAME}-ui")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert env == [
+        {
+            "name": "LEGORL_UI_ACTION_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "ui-token", "key": "token"}},
+        }
+    ]
 
 
 def test_ui_role_is_read_only(helm: str) -> None:

@@ -20,7 +20,7 @@ import yaml
 from legorl.api import GROUP_VERSION, KINDS
 from legorl.api.crd import openapi_schema
 from legorl.manifests import parse_documents, validate_documents
-from legorl.manifests.structural import apply_defaults, cel_violations
+from legorl.manifests.structural import apply_defaults, cel_violations, prune_nulls
 
 RUN = """
 apiVersion: legorl.dev/v1alpha1
@@ -112,6 +112,22 @@ def both(*edits: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]],
 CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
     ("unknown-spec-field", "RLRun", set_("spec.algorithim", {"name": "GRPO"}), "spec.algorithim"),
     ("unknown-nested-field", "RLRun", set_("spec.harness.maxTurn", 3), "spec.harness.maxTurn"),
+    ("snake-case-field", "RLRun", set_("spec.algorithm.group_size", 4), "spec.algorithm.group_size"),
+    (
+        "duplicate-task-images",
+        "SandboxPool",
+        set_("spec.source", {"images": ["ghcr.io/example/task:v1", "ghcr.io/example/task:v1"]}),
+        "spec.source.images",
+    ),
+    (
+        "toleration-without-key",
+        "RLRun",
+        set_(
+            "spec.fleet.placement.tolerations", [{"operator": "Equal", "value": "x", "effect": "NoSchedule"}]
+        ),
+        "spec.fleet.placement.tolerations[0].key",
+    ),
+    ("huge-exponent", "RLRun", set_("spec.algorithm.clipHigh", "1e999"), "spec.algorithm.clipHigh"),
     ("int-as-string", "RLRun", set_("spec.algorithm.groupSize", "8"), "spec.algorithm.groupSize"),
     ("int-above-max", "RLRun", set_("spec.algorithm.groupSize", 1000), "spec.algorithm.groupSize"),
     ("grpo-group-of-one", "RLRun", set_("spec.algorithm.groupSize", 1), "spec.algorithm.groupSize"),
@@ -309,12 +325,14 @@ def _strict(schema: Any) -> Any:
 
 
 def _list_map_duplicates(schema: dict[str, Any], obj: Any, path: str = "") -> list[str]:
+    """Paths of lists with duplicates where the schema says list-type map (by key) or set."""
     found = []
-    if isinstance(obj, list) and schema.get("x-kubernetes-list-type") == "map":
-        keys = schema["x-kubernetes-list-map-keys"]
+    list_type = schema.get("x-kubernetes-list-type")
+    if isinstance(obj, list) and list_type in ("map", "set"):
+        keys = schema.get("x-kubernetes-list-map-keys", [])
         seen = set()
         for item in obj:
-            key = tuple(item.get(k) for k in keys) if isinstance(item, dict) else (item,)
+            key = tuple(item.get(k) for k in keys) if list_type == "map" else (item,)
             if key in seen:
                 found.append(path)
             seen.add(key)
@@ -335,7 +353,7 @@ def api_server_rejections(obj: dict[str, Any]) -> list[tuple[str, str]]:
     if kind not in KINDS or obj.get("apiVersion") != GROUP_VERSION:
         return [("apiVersion", f"no resource {obj.get('apiVersion')}/{kind} is served")]
     schema = openapi_schema(kind)
-    defaulted = apply_defaults(schema, obj)
+    defaulted = apply_defaults(schema, prune_nulls(schema, obj))
     validator = jsonschema.Draft7Validator(_strict(schema))
     found = [(".".join(map(str, e.absolute_path)), e.message) for e in validator.iter_errors(defaulted)]
     found += [(path.lstrip("."), "duplicate key") for path in _list_map_duplicates(schema, defaulted)]
@@ -348,6 +366,26 @@ def _manifest(kind: str, edit: Callable[[dict[str, Any]], None]) -> dict[str, An
     obj: dict[str, Any] = copy.deepcopy(yaml.safe_load(BASES[kind]))
     edit(obj)
     return obj
+
+
+@pytest.mark.parametrize(
+    ("kind", "edit"),
+    [
+        ("RLRun", both(set_("spec.fleetRef", {"name": "shared"}), set_("spec.fleet", None))),
+        ("RLRun", set_("spec.stop", None)),
+        ("RLRun", set_("spec.harness.apiFormat", None)),
+        ("RLRun", set_("spec.policy.checkpoint.revision", None)),
+    ],
+    ids=["fleet-null", "stop-null", "api-format-null", "revision-null"],
+)
+def test_explicit_nulls_are_pruned_like_the_api_server_does(
+    kind: str, edit: Callable[[dict[str, Any]], None]
+) -> None:
+    manifest = _manifest(kind, edit)
+    assert api_server_rejections(manifest) == []
+    (report,) = validate_documents(parse_documents(yaml.safe_dump(manifest), "nulls.yaml"))
+    assert [p for p in report.problems if p.severity == "error"] == []
+    assert report.resource is not None
 
 
 @pytest.mark.parametrize("kind", sorted(BASES))

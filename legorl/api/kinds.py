@@ -86,7 +86,7 @@ class ObjectMeta(BaseModel):
     namespace: Annotated[str, Field(min_length=1, max_length=MAX_SHORT)] | None = None
     labels: dict[str, str] | None = None
     annotations: dict[str, str] | None = None
-    generation: int | None = None
+    generation: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
 
 
 SpecT = TypeVar("SpecT", bound=ApiModel)

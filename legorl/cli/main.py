@@ -75,12 +75,10 @@ def _cmd_render(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     out = []
     for report in reports:
-        assert report.resource is not None
-        body = report.resource.to_wire()
-        body.pop("status", None)
+        assert report.resource is not None and report.body is not None
         out.append(
             "# The effective resource as the API server stores it (defaults applied).\n"
-            + to_yaml(apply_defaults(crd_schema(report.resource.kind), body))
+            + to_yaml(apply_defaults(crd_schema(report.resource.kind), report.body))
         )
     print("---\n".join(out), end="")
     return EXIT_OK

@@ -50,15 +50,58 @@ def _read(source: str) -> str:
         raise ManifestLoadError(f"{source}: not UTF-8 text: {exc.reason}") from exc
 
 
+class _ManifestLoader(yaml.SafeLoader):
+    """SafeLoader as kubectl reads YAML: duplicate keys are an error, and unquoted dates
+    (`revision: 2024-01-01`) stay strings."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = seen.get(key)
+            except TypeError:  # an unhashable key; SafeLoader reports it below
+                continue
+            if line is not None:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r} (first at line {line})",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+_ManifestLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def _is_acyclic(obj: Any, path: tuple[int, ...] = ()) -> bool:
+    if isinstance(obj, (dict, list)):
+        if id(obj) in path:
+            return False
+        children = obj.values() if isinstance(obj, dict) else obj
+        return all(_is_acyclic(child, (*path, id(obj))) for child in children)
+    return True
+
+
 def parse_documents(text: str, source: str) -> list[Document]:
     """Split and parse YAML documents, skipping empty ones."""
     docs: list[Document] = []
-    loader = yaml.SafeLoader(text)
+    loader = _ManifestLoader(text)
     try:
         index = 0
         while loader.check_node():
             node = loader.get_node()
             body = loader.construct_document(node) if node is not None else None
+            if node is not None and not _is_acyclic(body):
+                raise ManifestLoadError(
+                    f"{source}:{node.start_mark.line + 1}: a YAML alias refers to itself; "
+                    "manifests cannot be recursive"
+                )
             if node is not None and body is not None:
                 docs.append(Document(source, index, node.start_mark.line + 1, body))
             index += 1

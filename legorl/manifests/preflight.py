@@ -194,8 +194,31 @@ def _key(res: Resource) -> tuple[str, str]:
     return (res.metadata.namespace or "", res.metadata.name)
 
 
-def check_references(reports: list[DocumentReport]) -> None:
+def _raw_key(report: DocumentReport) -> tuple[str, str, str] | None:
+    body = report.body
+    meta = body.get("metadata") if body else None
+    if not body or not isinstance(meta, dict):
+        return None
+    return (str(body.get("kind")), str(meta.get("namespace") or ""), str(meta.get("name")))
+
+
+def _missing_reference(
+    kind: str, name: str, path: str, invalid: set[tuple[str, str, str]], ns: str
+) -> Problem:
+    if (kind, ns, name) in invalid:
+        message = f"{kind} {name!r} is among the given files but invalid; fix its errors first"
+    else:
+        message = (
+            f"{kind} {name!r} is not among the given files; it must exist in the run's namespace "
+            "before the run can start"
+        )
+    return Problem("warning", path, message, "preflight")
+
+
+def check_references(all_reports: list[DocumentReport]) -> None:
     """Resolve fleetRef/poolRef against the documents given; check what the pair implies."""
+    reports = [r for r in all_reports if r.resource is not None and r.ok]
+    invalid = {key for r in all_reports if not r.ok and (key := _raw_key(r)) is not None}
     fleets = {_key(r.resource): r.resource for r in reports if isinstance(r.resource, RolloutFleet)}
     pools = {_key(r.resource): r.resource for r in reports if isinstance(r.resource, SandboxPool)}
     trainers_by_fleet: dict[tuple[str, str], list[str]] = {}
@@ -209,13 +232,7 @@ def check_references(reports: list[DocumentReport]) -> None:
             fleet = fleets.get((ns, spec.fleet_ref.name))
             if fleet is None:
                 report.problems.append(
-                    Problem(
-                        "warning",
-                        "spec.fleetRef.name",
-                        f"RolloutFleet {spec.fleet_ref.name!r} is not among the given files; it must exist "
-                        "in the run's namespace before the run can start",
-                        "preflight",
-                    )
+                    _missing_reference("RolloutFleet", spec.fleet_ref.name, "spec.fleetRef.name", invalid, ns)
                 )
             else:
                 report.problems += list(_check_run_against_fleet(run, fleet))
@@ -223,13 +240,7 @@ def check_references(reports: list[DocumentReport]) -> None:
                     trainers_by_fleet.setdefault((ns, fleet.metadata.name), []).append(run.metadata.name)
         if spec.pool_ref is not None and (ns, spec.pool_ref.name) not in pools:
             report.problems.append(
-                Problem(
-                    "warning",
-                    "spec.poolRef.name",
-                    f"SandboxPool {spec.pool_ref.name!r} is not among the given files; it must exist in "
-                    "the run's namespace before the run can start",
-                    "preflight",
-                )
+                _missing_reference("SandboxPool", spec.pool_ref.name, "spec.poolRef.name", invalid, ns)
             )
     for report in reports:
         run = report.resource
@@ -277,7 +288,7 @@ def preflight(reports: list[DocumentReport]) -> None:
     for report in reports:
         if report.resource is not None and report.ok:
             report.problems += list(_run_single(report.resource))
-    check_references([r for r in reports if r.resource is not None and r.ok])
+    check_references(reports)
 
 
 def _run_single(res: Resource) -> Iterator[Problem]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from legorl.api.kinds import Resource
 from legorl.manifests.load import Document
@@ -29,19 +29,6 @@ class Problem:
         return f"{where}: {self.severity}: {location}{self.message}"
 
 
-def dotted(loc: tuple[int | str, ...] | list[int | str]) -> str:
-    """`('spec', 'env', 2, 'name')` → `spec.env[2].name`."""
-    out = ""
-    for part in loc:
-        if part == "[key]":  # pydantic's marker for a bad map key: the key itself is the path
-            continue
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
 @dataclass
 class DocumentReport:
     """Validation result of one document."""
@@ -50,6 +37,8 @@ class DocumentReport:
     problems: list[Problem] = field(default_factory=list)
     resource: Resource | None = None
     """The parsed resource, when the schema stage passed."""
+    body: dict[str, Any] | None = None
+    """The document as validated: status dropped, explicit nulls pruned."""
 
     @property
     def ok(self) -> bool:

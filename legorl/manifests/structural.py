@@ -43,6 +43,27 @@ def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
     return obj
 
 
+def prune_nulls(schema: dict[str, Any], obj: Any) -> Any:
+    """Return a copy of `obj` without explicit nulls where the schema does not allow them.
+
+    The API server does this before defaulting, so `fleet: null` means "no fleet" and
+    `stop: null` gets the default, instead of failing validation.
+    """
+    if isinstance(obj, dict):
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        out = {}
+        for key, value in obj.items():
+            sub = props.get(key, extra if isinstance(extra, dict) else None)
+            if value is None and sub is not None and not sub.get("nullable"):
+                continue
+            out[key] = prune_nulls(sub, value) if sub is not None else value
+        return out
+    if isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        return [prune_nulls(schema["items"], item) for item in obj]
+    return obj
+
+
 def _default_in_place(schema: dict[str, Any], obj: Any) -> None:
     if isinstance(obj, dict):
         for name, sub in schema.get("properties", {}).items():
@@ -117,8 +138,11 @@ def cel_violations(schema: dict[str, Any], obj: Any, path: str = "") -> list[Rul
         where = _join(path, entry["fieldPath"]) if entry.get("fieldPath") else path
         try:
             ok = eval_rule(rule, obj, schema)
-        except CELEvalError as exc:
-            detail = exc.args[0] if exc.args else str(exc)
+        except (CELEvalError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+            # CELEvalError: the rule cannot run on this value (a missing field, a wrong type);
+            # the others: cel-python cannot represent the value at all (ints beyond int64,
+            # bytes, sets). Either way the schema stage has something to say about it.
+            detail = exc.args[0] if exc.args else type(exc).__name__
             out.append(
                 RuleViolation(where, rule, f"{entry['message']} (rule not evaluable: {detail})", False)
             )

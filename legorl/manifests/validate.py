@@ -22,8 +22,8 @@ from legorl.api.crd import openapi_schema
 from legorl.api.kinds import Resource
 from legorl.manifests.load import Document, ManifestLoadError, load_documents
 from legorl.manifests.preflight import preflight
-from legorl.manifests.problems import DocumentReport, Problem, dotted
-from legorl.manifests.structural import apply_defaults, cel_violations
+from legorl.manifests.problems import DocumentReport, Problem
+from legorl.manifests.structural import apply_defaults, cel_violations, prune_nulls
 
 _SCHEMAS: dict[str, dict[str, Any]] = {}
 
@@ -118,14 +118,32 @@ def _describe(error: ErrorDetails, schema: dict[str, Any]) -> str:
     return f"{error['msg']} (got {_got(value)})"
 
 
+def field_path(loc: Sequence[int | str], schema: dict[str, Any]) -> str:
+    """`('spec', 'env', 2, 'name')` → `spec.env[2].name`, reading the schema so that an integer
+    map key (`limits: {1: 2}`) is not mistaken for a list index."""
+    out = ""
+    node: dict[str, Any] | None = schema
+    for part in loc:
+        if part == "[key]":  # pydantic's marker for a bad map key: the key itself is the path
+            continue
+        is_index = isinstance(part, int) and node is not None and node.get("type") == "array"
+        out += f"[{part}]" if is_index else (f".{part}" if out else str(part))
+        node = _schema_at(node, [part]) if node is not None else None
+    return out
+
+
 def schema_problems(body: dict[str, Any], model: type[Resource]) -> tuple[list[Problem], Resource | None]:
-    """Validate with the pydantic model; returns problems and the model when valid."""
+    """Validate with the pydantic model; returns problems and the model when valid.
+
+    Field names must be the wire names (`groupSize`): the API server does not know the Python
+    names, so `group_size` is an unknown field here too.
+    """
     schema = crd_schema(model.crd.kind)
     try:
-        return [], model.model_validate(body)
+        return [], model.model_validate(body, by_alias=True, by_name=False)
     except ValidationError as exc:
         problems = [
-            Problem("error", dotted(err["loc"]), _describe(err, schema))
+            Problem("error", field_path(err["loc"], schema), _describe(err, schema))
             for err in exc.errors(include_url=False)
         ]
         return problems, None
@@ -158,7 +176,7 @@ def validate_document(doc: Document) -> DocumentReport:
         )
         return report
     kind = body.get("kind")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         known = ", ".join(KINDS)
         report.problems.append(
             Problem("error", "kind", f"unknown kind {kind!r}; legorl manifests are one of {known}")
@@ -182,6 +200,9 @@ def validate_document(doc: Document) -> DocumentReport:
             )
         )
         body = {k: v for k, v in body.items() if k != "status"}
+    # The API server drops explicit nulls of non-nullable fields before anything else.
+    body = prune_nulls(crd_schema(kind), body)
+    report.body = body
     problems, resource = schema_problems(body, KINDS[kind])
     report.problems += problems
     report.resource = resource
