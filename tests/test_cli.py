@@ -223,6 +223,4 @@ def test_integer_map_keys_are_not_list_indexes(run_cli: Cli, tmp_path: Path) -> 
     )
     code, out, _ = run_cli("validate", str(manifest))
     assert code == 1
-    assert (
-        "error: spec.trainer.resources.limits.1: key 1" in out or "spec.trainer.resources.limits.1:" in out
-    ), out
+    assert "error: spec.trainer.resources.limits.1: must be a string" in out, out
