@@ -18,7 +18,7 @@ import yaml
 from legorl.api import KINDS
 from legorl.api.crd import all_crds, crd_for, structural_problems
 from legorl.manifests.generated import generated_files, stale_files
-from legorl.manifests.structural import cel_violations
+from legorl.manifests.structural import cel_violations, iter_nodes
 
 K8S_VERSIONS = ("1.30", "1.33", "1.37")
 
@@ -60,17 +60,6 @@ def test_structural_check_finds_problems() -> None:
     assert any(".both: properties and additionalProperties" in p for p in problems)
 
 
-def _nodes(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
-    """Every schema node with its path."""
-    found = [(path or ".", schema)]
-    for name, sub in schema.get("properties", {}).items():
-        found += _nodes(sub, f"{path}.{name}")
-    for key, suffix in (("items", "[]"), ("additionalProperties", ".*")):
-        if isinstance(schema.get(key), dict):
-            found += _nodes(schema[key], path + suffix)
-    return found
-
-
 def _root(kind: str) -> dict[str, Any]:
     root: dict[str, Any] = crd_for(KINDS[kind])["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     return root
@@ -79,7 +68,7 @@ def _root(kind: str) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_every_rule_field_path_resolves(kind: str) -> None:
     """The API server refuses a CRD whose rule points its fieldPath at an undeclared field."""
-    for where, node in _nodes(_root(kind)):
+    for where, node in iter_nodes(_root(kind)):
         for rule in node.get("x-kubernetes-validations", []):
             if "fieldPath" not in rule:
                 continue
@@ -96,7 +85,7 @@ def test_every_default_passes_its_own_schema_and_rules(kind: str) -> None:
     """The API server checks each default as written (no nested defaulting first) against the
     schema and the CEL rules of its node; a default that fails makes the CRD uninstallable."""
     checked = 0
-    for where, node in _nodes(_root(kind)):
+    for where, node in iter_nodes(_root(kind)):
         if "default" not in node:
             continue
         default = node["default"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,12 +164,20 @@ def cel_violations(schema: dict[str, Any], obj: Any, path: str = "") -> list[Rul
     return out
 
 
-def all_rules(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
-    """Every `x-kubernetes-validations` entry in a schema, with the schema path it sits at."""
-    found = [(path or ".", entry) for entry in schema.get("x-kubernetes-validations", [])]
+def iter_nodes(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every node of a schema with its path (`.spec.env[]`, `.spec.resources.requests.*`)."""
+    yield path or ".", schema
     for name, sub in schema.get("properties", {}).items():
-        found += all_rules(sub, f"{path}.{name}")
+        yield from iter_nodes(sub, f"{path}.{name}")
     for key, suffix in (("items", "[]"), ("additionalProperties", ".*")):
         if isinstance(schema.get(key), dict):
-            found += all_rules(schema[key], path + suffix)
-    return found
+            yield from iter_nodes(schema[key], path + suffix)
+
+
+def all_rules(schema: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every `x-kubernetes-validations` entry in a schema, with the schema path it sits at."""
+    return [
+        (path, entry)
+        for path, node in iter_nodes(schema)
+        for entry in node.get("x-kubernetes-validations", [])
+    ]
