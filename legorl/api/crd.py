@@ -10,6 +10,7 @@ Everything here is pure: dicts in, dicts out.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from typing import Any
 
@@ -203,7 +204,13 @@ def structural_problems(schema: dict[str, Any], path: str = "") -> list[str]:
 
 
 def crd_for(kind: type[RolloutFleet] | type[SandboxPool] | type[RLRun]) -> dict[str, Any]:
-    """The CustomResourceDefinition of one kind."""
+    """The CustomResourceDefinition of one kind (a fresh copy the caller may change)."""
+    return copy.deepcopy(_build_crd(kind))
+
+
+@functools.cache
+def _build_crd(kind: type[RolloutFleet] | type[SandboxPool] | type[RLRun]) -> dict[str, Any]:
+    # Models do not change within a process: generate each CRD once.
     info = kind.crd
     fields = kind.model_fields
     spec_model = fields["spec"].annotation
@@ -275,5 +282,5 @@ def all_crds() -> dict[str, dict[str, Any]]:
 
 def openapi_schema(kind_name: str) -> dict[str, Any]:
     """A deep copy of the `openAPIV3Schema` of `kind_name` (for validation)."""
-    crd = crd_for(KINDS[kind_name])
-    return copy.deepcopy(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+    schema: dict[str, Any] = crd_for(KINDS[kind_name])["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema

@@ -82,15 +82,17 @@ def generated_files() -> dict[str, str]:
     return files
 
 
-def stale_files(root: Path) -> list[str]:
-    """Generated files that are missing or differ from what the models produce."""
+def stale_files(root: Path, files: dict[str, str] | None = None) -> list[str]:
+    """Generated files that are missing or differ from what the models produce (`files`,
+    when the caller has them already)."""
+    files = generated_files() if files is None else files
     stale = []
-    for rel, text in generated_files().items():
+    for rel, text in files.items():
         path = root / rel
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
             stale.append(rel)
     for folder in CRD_DIRS:
-        expected = {Path(rel).name for rel in generated_files() if rel.startswith(folder + "/")}
+        expected = {Path(rel).name for rel in files if rel.startswith(folder + "/")}
         directory = root / folder
         if directory.is_dir():
             stale += [
@@ -101,8 +103,8 @@ def stale_files(root: Path) -> list[str]:
 
 def write_generated(root: Path) -> list[str]:
     """Write every generated file under `root`; remove stale CRD files; return what changed."""
-    changed = stale_files(root)
     files = generated_files()
+    changed = stale_files(root, files)
     for rel in changed:
         path = root / rel
         if rel in files:

@@ -96,13 +96,15 @@ def parse_documents(text: str, source: str) -> list[Document]:
         index = 0
         while loader.check_node():
             node = loader.get_node()
-            body = loader.construct_document(node) if node is not None else None
-            if node is not None and not _is_acyclic(body):
+            if node is None:  # check_node() said there is one; only the stubs say otherwise
+                break
+            body = loader.construct_document(node)
+            if not _is_acyclic(body):
                 raise ManifestLoadError(
                     f"{source}:{node.start_mark.line + 1}: a YAML alias refers to itself; "
                     "manifests cannot be recursive"
                 )
-            if node is not None and body is not None:
+            if body is not None:
                 docs.append(Document(source, index, node.start_mark.line + 1, body))
             index += 1
     except yaml.YAMLError as exc:

@@ -11,6 +11,7 @@ path and the fix:
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -25,14 +26,11 @@ from legorl.manifests.preflight import preflight
 from legorl.manifests.problems import DocumentReport, Problem
 from legorl.manifests.structural import apply_defaults, cel_violations, prune_nulls
 
-_SCHEMAS: dict[str, dict[str, Any]] = {}
 
-
+@functools.cache
 def crd_schema(kind: str) -> dict[str, Any]:
-    """The openAPIV3Schema of `kind`, generated once per process."""
-    if kind not in _SCHEMAS:
-        _SCHEMAS[kind] = openapi_schema(kind)
-    return _SCHEMAS[kind]
+    """The openAPIV3Schema of `kind`, shared read-only by every document of that kind."""
+    return openapi_schema(kind)
 
 
 def _schema_at(schema: dict[str, Any], loc: Sequence[int | str]) -> dict[str, Any] | None:
