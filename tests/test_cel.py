@@ -121,6 +121,16 @@ CASES: dict[str, tuple[list[Any], list[Any]]] = {
         [{"uri": "builtin://tiny-python"}, {"uri": "configmap://tasks/tasks.jsonl"}, {"uri": "s3://b/t"}],
         [{"uri": "https://example.com/tasks.jsonl"}, {"uri": "tasks.jsonl"}],
     ),
+    "self.replicas == 0 || (has(self.source.images)": (
+        [
+            {"replicas": 0, "source": {"taskSet": {"uri": "builtin://tiny-python"}}},
+            {"replicas": 3, "source": {"images": ["repo/app:1"]}},
+        ],
+        [
+            {"replicas": 1, "source": {"images": ["repo/a:1", "repo/b:1"]}},
+            {"replicas": 1, "source": {"taskSet": {"uri": "builtin://tiny-python"}}},
+        ],
+    ),
     "!has(self.lookahead) || self.policy == 'Lookahead'": (
         [{"policy": "All"}, {"policy": "Lookahead", "lookahead": 8}],
         [{"policy": "All", "lookahead": 8}],

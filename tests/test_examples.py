@@ -55,24 +55,39 @@ def test_shared_example_has_two_runs_on_one_fleet_and_pool() -> None:
     assert sorted(r["spec"]["mode"] for r in runs) == ["Evaluate", "Train"]
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_render_prints_the_effective_resources(
+CLUSTER_EXAMPLES = [p for p in EXAMPLES if p.name != "tiny-local.yaml"]
+
+
+@pytest.mark.parametrize("path", CLUSTER_EXAMPLES, ids=lambda p: p.name)
+def test_render_prints_the_effective_resources_and_their_children(
     path: Path, run_cli: Callable[..., tuple[int, str, str]], tmp_path: Path
 ) -> None:
     code, out, err = run_cli("render", str(path))
     assert code == 0, err
     rendered = [doc for doc in yaml.safe_load_all(out) if doc]
+    # The inputs are the documents nobody owns; everything else is created by the operator.
+    inputs = [d for d in rendered if "ownerReferences" not in d["metadata"]]
+    children = [d for d in rendered if "ownerReferences" in d["metadata"]]
     originals = list(yaml.safe_load_all(path.read_text()))
-    assert [d["metadata"]["name"] for d in rendered] == [d["metadata"]["name"] for d in originals]
-    for doc, original in zip(rendered, originals, strict=True):
+    assert [d["metadata"]["name"] for d in inputs] == [d["metadata"]["name"] for d in originals]
+    assert children, "every example creates workloads"
+    for doc, original in zip(inputs, originals, strict=True):
         assert doc == apply_defaults(openapi_schema(doc["kind"]), original)
         KINDS[doc["kind"]].model_validate(doc)
         if doc["kind"] == "RLRun":
             # Defaults the author left out are spelled out.
             assert doc["spec"]["filter"]["dropReasons"]
             assert doc["spec"]["fidelity"]["minCorrelation"] == "0.99"
-    # What render prints validates again.
+    for child in children:
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "legorl-operator"
+    # The resources render prints validate again.
     again = tmp_path / "rendered.yaml"
-    again.write_text(out)
+    again.write_text(yaml.safe_dump_all(inputs))
     code, out, _ = run_cli("validate", str(again))
     assert code == 0, out
+
+
+def test_render_refuses_what_only_runs_locally(run_cli: Callable[..., tuple[int, str, str]]) -> None:
+    code, _, err = run_cli("render", str(Path(__file__).parents[1] / "examples/tiny-local.yaml"))
+    assert code == 1
+    assert "spec.policy.checkpoint.uri: 'builtin://tiny-moe': builtin:// models exist only in local runs" in err

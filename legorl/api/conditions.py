@@ -166,6 +166,15 @@ class RunReason(DocumentedEnum):
     POOL_READY = "PoolReady", "The pool can start trials."
     POOL_NOT_READY = "PoolNotReady", "The pool is not ready; its own conditions say why."
     NOT_STARTED = "NotStarted", "The run has not started its loop yet."
+    CONTROLLER_PENDING = (
+        "ControllerPending",
+        "The trainer workload exists but this operator build has no run controller to drive the loop.",
+    )
+    WAITING_FOR_DEPENDENCIES = (
+        "WaitingForDependencies",
+        "The loop starts once the fleet serves the policy and the pool can start trials.",
+    )
+    DEADLINE_EXCEEDED = "DeadlineExceeded", "activeDeadlineSeconds passed before a stop condition was met."
     STEPPING = "Stepping", "Trials and updates are running."
     WAITING_FOR_ROLLOUTS = (
         "WaitingForRollouts",
@@ -282,4 +291,7 @@ def rlrun_phase(conditions: list[Condition], suspended: bool) -> tuple[RunPhase,
         cond = find_condition(conditions, waiting)
         if cond is not None and cond.status != "True":
             return RunPhase.PENDING, cond.reason
+    training = find_condition(conditions, RunConditionType.TRAINING)
+    if training is not None:
+        return RunPhase.PENDING, training.reason
     return RunPhase.PENDING, RunReason.NOT_STARTED.value

@@ -108,6 +108,17 @@ class Workspace(ApiModel):
 class SandboxPoolSpec(ApiModel):
     """Desired state of a SandboxPool."""
 
+    model_config = rules(
+        CelRule(
+            rule="self.replicas == 0 || (has(self.source.images) && size(self.source.images) == 1)",
+            message=(
+                "warm sandboxes (replicas > 0) need a pool of exactly one image in source.images; "
+                "pools of many task images start each trial from its own image"
+            ),
+            field_path=".replicas",
+        ),
+    )
+
     source: ImageSource
     """Which task images this pool serves."""
     pre_pull: PrePull = Field(default_factory=PrePull)

@@ -443,7 +443,12 @@ class RLRunSpec(ApiModel):
     `evaluation.intervalSteps` versions — share a fleet with a training run to track it. In
     Evaluate mode a step is one full evaluation."""
     suspend: bool = False
-    """Stop starting trials; running ones finish, state is kept, and unsetting resumes."""
+    """Scale everything the run owns to zero (trainer Job suspended, owned fleet and warm sandboxes
+    at 0 replicas); the run store is kept, and unsetting resumes. A shared fleet or pool is left
+    running."""
+    active_deadline_seconds: Seconds | None = None
+    """Wall-clock limit from the run's start; when it passes the run ends as `Failed` with reason
+    `DeadlineExceeded` (unlike `stop.maxDurationSeconds`, which ends it as `Succeeded`)."""
     policy: PolicySpec
     """The policy."""
     fleet_ref: LocalObjectReference | None = None

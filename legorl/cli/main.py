@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -73,14 +74,60 @@ def _cmd_render(args: argparse.Namespace) -> int:
     if failed:
         print("nothing rendered: fix the errors above (see `legorl validate`)", file=sys.stderr)
         return EXIT_INVALID
+    from legorl.operator.render.common import RenderContext  # noqa: PLC0415
+    from legorl.operator.render.fleet import RenderError  # noqa: PLC0415
+    from legorl.operator.render.tree import render_all  # noqa: PLC0415
+
+    resources = [r.resource for r in reports if r.resource is not None]
+    ctx = RenderContext(lws_available=args.leader_worker_set)
     out = []
+    failures = 0
     for report in reports:
         assert report.resource is not None and report.body is not None
+        res = report.resource
         out.append(
-            "# The effective resource as the API server stores it (defaults applied).\n"
-            + to_yaml(apply_defaults(crd_schema(report.resource.kind), report.body))
+            f"# {res.kind} {res.metadata.name}: as the API server stores it (defaults applied)\n"
+            + to_yaml(apply_defaults(crd_schema(res.kind), report.body))
         )
+        try:
+            children = render_all([res], ctx, args.namespace, others=resources)
+        except RenderError as exc:
+            print(f"{report.document.label}: error: {exc}", file=sys.stderr)
+            failures += 1
+            continue
+        out += [
+            f"# {child['kind']} {child['metadata']['name']}: created by the operator for "
+            f"{res.kind} {res.metadata.name}\n" + to_yaml(child)
+            for child in children
+        ]
     print("---\n".join(out), end="")
+    if failures:
+        print(f"{failures} resource(s) cannot run on a cluster as written", file=sys.stderr)
+        return EXIT_INVALID
+    return EXIT_OK
+
+
+def _cmd_operator(args: argparse.Namespace) -> int:
+    try:
+        from legorl.operator.main import run_operator  # noqa: PLC0415
+    except ImportError as exc:
+        print(f"the operator needs its extra: pip install 'legorl[operator]' ({exc})", file=sys.stderr)
+        return EXIT_USAGE
+    from legorl.operator.settings import OperatorSettings, from_environment  # noqa: PLC0415
+
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    settings = from_environment(
+        OperatorSettings(
+            namespaces=tuple(args.namespace),
+            health_port=args.health_port,
+            log_level=args.log_level,
+            peering=args.peering,
+            resync_seconds=args.resync_seconds,
+        )
+    )
+    run_operator(settings)
     return EXIT_OK
 
 
@@ -145,13 +192,56 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "render",
-        help="print the resources the operator works from, with every default filled in",
+        help="print each resource with its defaults and every object the operator would create for it",
         description=(
-            "Validate manifests and print each resource as the API server stores it, defaults applied."
+            "Validate manifests, then print each resource as the API server stores it (defaults "
+            "applied) followed by the Kubernetes objects the operator creates for it, children of an "
+            "RLRun's own fleet and pool included. Owner UIDs are placeholders: the operator creates "
+            "these objects, do not apply them yourself. Exit 1 when a resource cannot run on a cluster "
+            "(e.g. a builtin:// model, which only `legorl run` has)."
         ),
     )
     p.add_argument("files", nargs="+", metavar="FILE", help="manifest files ('-' for stdin)")
+    p.add_argument("-n", "--namespace", default="default", help="namespace of resources that set none")
+    p.add_argument(
+        "--leader-worker-set",
+        action="store_true",
+        help="render multi-node fleets as LeaderWorkerSets (as when that API is installed)",
+    )
     p.set_defaults(func=_cmd_render)
+
+    p = sub.add_parser(
+        "operator",
+        help="run the Kubernetes operator (in-cluster or with your kubeconfig)",
+        description=(
+            "Reconcile RolloutFleets, SandboxPools and RLRuns into workloads. Uses the pod's "
+            "ServiceAccount in a cluster, else the current kubeconfig context."
+        ),
+    )
+    p.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch this namespace (repeat for several); default: the whole cluster",
+    )
+    p.add_argument("--health-port", type=int, default=8080, help="port of /healthz (default 8080)")
+    p.add_argument(
+        "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level"
+    )
+    p.add_argument(
+        "--peering",
+        default=None,
+        metavar="NAME",
+        help="kopf peering name, for several replicas with one active (needs kopf's peering CRDs)",
+    )
+    p.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=300.0,
+        help="re-apply every child at least this often, repairing drift (default 300)",
+    )
+    p.set_defaults(func=_cmd_operator)
 
     p = sub.add_parser(
         "crds",

@@ -235,7 +235,7 @@ def check_references(all_reports: list[DocumentReport]) -> None:
                     _missing_reference("RolloutFleet", spec.fleet_ref.name, "spec.fleetRef.name", invalid, ns)
                 )
             else:
-                report.problems += list(_check_run_against_fleet(run, fleet))
+                report.problems += list(check_run_against_fleet(run, fleet))
                 if spec.mode == "Train":
                     trainers_by_fleet.setdefault((ns, fleet.metadata.name), []).append(run.metadata.name)
         if spec.pool_ref is not None and (ns, spec.pool_ref.name) not in pools:
@@ -259,7 +259,8 @@ def check_references(all_reports: list[DocumentReport]) -> None:
                 )
 
 
-def _check_run_against_fleet(run: RLRun, fleet: RolloutFleet) -> Iterator[Problem]:
+def check_run_against_fleet(run: RLRun, fleet: RolloutFleet) -> Iterator[Problem]:
+    """What a run implies for the fleet it references (same checkpoint, capture on, dtypes)."""
     if run.spec.policy.checkpoint.uri != fleet.spec.model.uri:
         yield Problem(
             "error",
@@ -294,3 +295,8 @@ def preflight(reports: list[DocumentReport]) -> None:
 def _run_single(res: Resource) -> Iterator[Problem]:
     for check in SINGLE_CHECKS:
         yield from check(res)
+
+
+def check_resource(res: Resource) -> list[Problem]:
+    """Every single-object preflight check of one valid resource (what the operator re-runs)."""
+    return list(_run_single(res))

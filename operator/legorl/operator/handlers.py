@@ -1,0 +1,156 @@
+"""Kopf glue: watch streams feed the store; create/update/resume reconcile at once; a
+background loop reconciles whatever changed; a daemon per RLRun holds the run controller's place.
+
+Handlers stay short: the work is in `reconcile.Reconciler`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kopf
+
+from legorl.api._base import API_GROUP, API_VERSION
+from legorl.operator.kube import RESOURCES, KubeClient, credentials_from_kopf
+from legorl.operator.reconcile import Reconciler, TransientError
+from legorl.operator.render.common import MANAGED_BY
+from legorl.operator.store import CUSTOM_KINDS, ObjectKey
+
+log = logging.getLogger("legorl.operator")
+
+MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
+CHILD_KINDS = (
+    "ServiceAccount",
+    "Service",
+    "Deployment",
+    "StatefulSet",
+    "DaemonSet",
+    "Job",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "LeaderWorkerSet",
+)
+LoginFn = Callable[..., Any]
+
+
+def _raw(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain, private copy of a kopf body."""
+    return copy.deepcopy({k: body[k] for k in body})
+
+
+def _reconciler(memo: Any) -> Reconciler:
+    reconciler = memo["reconciler"] if isinstance(memo, Mapping) else memo.reconciler
+    assert isinstance(reconciler, Reconciler)
+    return reconciler
+
+
+def _group_version(kind: str) -> tuple[str, str, str]:
+    res = RESOURCES[kind]
+    group, _, version = res.group_version.rpartition("/")
+    return group, version, res.plural
+
+
+def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
+    """Every handler of the operator, in a registry of its own (no import-time globals)."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def authenticate(memo: Any, **kwargs: Any) -> kopf.ConnectionInfo | None:
+        info: kopf.ConnectionInfo | None
+        if login is not None:
+            info = login(memo=memo, **kwargs)
+        else:
+            info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        if info is not None:
+            reconciler = _reconciler(memo)
+            old = reconciler.client_
+            reconciler.client_ = KubeClient(credentials_from_kopf(info))
+            if old is not None:
+                asyncio.get_event_loop().create_task(old.close())
+        return info
+
+    @kopf.on.startup(registry=registry)
+    async def start(memo: Any, **_: Any) -> None:
+        memo["loop"] = asyncio.get_running_loop().create_task(_resync_loop(_reconciler(memo)))
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop(memo: Any, **_: Any) -> None:
+        task = memo.get("loop")
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        reconciler = _reconciler(memo)
+        if reconciler.client_ is not None:
+            await reconciler.client_.close()
+
+    for kind in CHILD_KINDS:
+        group, version, plural = _group_version(kind)
+
+        @kopf.on.event(group, version, plural, labels=MANAGED, registry=registry, id=f"watch-{plural}")
+        def child_event(event: Mapping[str, Any], namespace: str, memo: Any, **_: Any) -> None:
+            _reconciler(memo).store.child_event(namespace, event["object"], event.get("type") == "DELETED")
+
+    @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry, id="watch-pods")
+    def pod_event(event: Mapping[str, Any], namespace: str, memo: Any, **_: Any) -> None:
+        _reconciler(memo).store.pod_event(namespace, event["object"], event.get("type") == "DELETED")
+
+    for kind in CUSTOM_KINDS:
+        _register_custom(registry, kind)
+
+    @kopf.daemon(API_GROUP, API_VERSION, "rlruns", registry=registry, cancellation_timeout=10.0)
+    async def run_controller(
+        stopped: kopf.DaemonStopped, name: str, logger: logging.Logger, **_: Any
+    ) -> None:
+        """The run controller's place: the RL loop of one RLRun runs here once it exists.
+
+        Until then the run's status says `Training=False, reason=ControllerPending`.
+        """
+        logger.debug("no run controller in this build for RLRun %s; its status says ControllerPending", name)
+        await stopped.wait()
+
+    return registry
+
+
+def _register_custom(registry: kopf.OperatorRegistry, kind: str) -> None:
+    plural = RESOURCES[kind].plural
+
+    @kopf.on.event(API_GROUP, API_VERSION, plural, registry=registry, id=f"watch-{plural}")
+    def object_event(event: Mapping[str, Any], namespace: str, memo: Any, **_: Any) -> None:
+        _reconciler(memo).store.object_event(kind, namespace, event["object"], event.get("type") == "DELETED")
+
+    @kopf.on.resume(API_GROUP, API_VERSION, plural, registry=registry, id=f"reconcile-{plural}-resume")
+    @kopf.on.create(API_GROUP, API_VERSION, plural, registry=registry, id=f"reconcile-{plural}-create")
+    @kopf.on.update(API_GROUP, API_VERSION, plural, registry=registry, id=f"reconcile-{plural}-update")
+    async def reconcile(body: kopf.Body, namespace: str, name: str, memo: Any, **_: Any) -> None:
+        reconciler = _reconciler(memo)
+        key: ObjectKey = (kind, namespace, name)
+        reconciler.store.objects[key] = _raw(body)
+        try:
+            await reconciler.reconcile(key)
+        except TransientError as exc:
+            raise kopf.TemporaryError(str(exc), delay=5) from exc
+
+
+async def _resync_loop(reconciler: Reconciler) -> None:
+    """Reconcile what changed, in small batches; everything at least every resync period."""
+    settings = reconciler.settings
+    loop = asyncio.get_running_loop()
+    last_full = loop.time()
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(reconciler.store.wakeup.wait(), timeout=settings.resync_seconds)
+        await asyncio.sleep(settings.debounce_seconds)  # let a burst of watch events settle
+        if reconciler.client_ is None:
+            continue
+        if loop.time() - last_full >= settings.resync_seconds:
+            reconciler.store.mark_all()
+            last_full = loop.time()
+        try:
+            await reconciler.reconcile_dirty()
+        except Exception:  # the loop must outlive any one bad object
+            log.exception("reconcile loop iteration failed")

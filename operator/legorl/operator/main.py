@@ -1,0 +1,71 @@
+"""Run the operator: kopf settings, peering or standalone, namespaces, the liveness endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import kopf
+
+from legorl.operator.handlers import LoginFn, build_registry
+from legorl.operator.reconcile import Reconciler
+from legorl.operator.render.common import RenderContext
+from legorl.operator.settings import OperatorSettings
+
+FINALIZER = "legorl.dev/operator"
+"""kopf's finalizer on RLRuns, so the run controller daemon stops before the run goes away."""
+
+
+def kopf_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
+    """kopf's own settings: bookkeeping in `legorl.dev/` annotations, never in `.status`."""
+    config = kopf.OperatorSettings()
+    config.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="legorl.dev")
+    config.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="legorl.dev", key="last-handled-configuration"
+    )
+    config.persistence.finalizer = FINALIZER
+    # Our own Events say what changed; kopf posts only its warnings and errors.
+    config.posting.level = logging.WARNING
+    config.watching.server_timeout = settings.watch_timeout_seconds
+    config.watching.client_timeout = settings.watch_timeout_seconds + 60
+    config.batching.idle_timeout = 1.0
+    if settings.peering is not None:
+        config.peering.name = settings.peering
+        config.peering.mandatory = True
+        config.peering.clusterwide = not settings.namespaces
+    return config
+
+
+def make_reconciler(settings: OperatorSettings) -> Reconciler:
+    return Reconciler(
+        settings=settings,
+        ctx=RenderContext(images=settings.images, default_store_uri=settings.default_store_uri),
+    )
+
+
+def run_operator(
+    settings: OperatorSettings,
+    *,
+    login: LoginFn | None = None,
+    reconciler: Reconciler | None = None,
+    stop_flag: threading.Event | asyncio.Event | None = None,
+    ready_flag: threading.Event | asyncio.Event | None = None,
+    liveness: bool = True,
+) -> None:
+    """Run until stopped (SIGINT/SIGTERM, or `stop_flag`)."""
+    logging.getLogger("legorl").setLevel(settings.log_level)
+    memo: Any = kopf.Memo(reconciler=reconciler or make_reconciler(settings))
+    kopf.run(
+        registry=build_registry(login=login),
+        settings=kopf_settings(settings),
+        standalone=settings.peering is None,
+        peering_name=settings.peering,
+        clusterwide=not settings.namespaces,
+        namespaces=settings.namespaces,
+        liveness_endpoint=f"http://0.0.0.0:{settings.health_port}/healthz" if liveness else None,
+        memo=memo,
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+    )

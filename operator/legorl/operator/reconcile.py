@@ -1,0 +1,424 @@
+"""The reconcile service: render → apply what changed → compute status → patch it once.
+
+Kopf glue (handlers.py) stays thin and calls into here; rendering and status are
+pure functions; API I/O goes through `KubeClient`. A reconcile reads observed
+state from the `Store` (the watch cache), never by listing the API server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from legorl.api.common import Condition
+from legorl.api.conditions import set_condition
+from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
+from legorl.manifests.preflight import check_resource, check_run_against_fleet
+from legorl.manifests.problems import Problem
+from legorl.operator.kube import ApiError, KubeClient
+from legorl.operator.observe import Observed
+from legorl.operator.render.common import RenderContext, owner_key
+from legorl.operator.render.fleet import LWS_API, RenderError, model_location, render_fleet
+from legorl.operator.render.pool import pod_template_hash, render_pool
+from legorl.operator.render.run import fleet_name, pool_name, render_run, store_uri
+from legorl.operator.settings import OperatorSettings
+from legorl.operator.status.fleet import compute_fleet_status
+from legorl.operator.status.pool import compute_pool_status
+from legorl.operator.status.run import compute_run_status, is_terminal
+from legorl.operator.store import ObjectKey, Store
+
+log = logging.getLogger("legorl.operator")
+
+WARNING_WHEN = {
+    ("Ready", "False"),
+    ("Degraded", "True"),
+    ("Failed", "True"),
+    ("Validated", "False"),
+    ("ImagesCached", "False"),
+    ("DefensesVerified", "False"),
+}
+"""Condition (type, status) pairs whose transitions are posted as Warning events."""
+QUIET_REASONS = {"ScaledToZero", "PullInProgress", "RolloutInProgress", "ModelLoading", "PrePullDisabled"}
+"""Transitions into these are posted as Normal events: they are expected, not problems."""
+APPLY_GRACE_SECONDS = 10.0
+"""After applying a child, wait this long for the watch to show it before re-applying it."""
+
+
+class TransientError(Exception):
+    """A reconcile failed in a way that retrying will fix (kopf's TemporaryError upstream)."""
+
+
+def _status_problem(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"the stored object does not match the schema: {where}: {first['msg']}{more}"
+
+
+@dataclass
+class Reconciler:
+    """One per operator process (in kopf's memo)."""
+
+    settings: OperatorSettings
+    ctx: RenderContext
+    client_: KubeClient | None = None
+    """Set once kopf has logged in (and again when it re-authenticates)."""
+    store: Store = field(default_factory=Store)
+    clock: Callable[[], datetime] = lambda: datetime.now(UTC)
+    applied: dict[tuple[str, str, str], tuple[str, float]] = field(default_factory=dict)
+    """(namespace, kind, name) → (hash, monotonic time) of the last apply by this process."""
+    full_apply: dict[ObjectKey, float] = field(default_factory=dict)
+    """When each object last had every child applied regardless of hashes (drift repair)."""
+    locks: dict[ObjectKey, asyncio.Lock] = field(default_factory=dict)
+    task_sets: dict[tuple[str, str], tuple[float, list[str], bool]] = field(default_factory=dict)
+    discovered: bool = False
+    """Whether optional APIs (LeaderWorkerSet) have been looked up since login."""
+
+    @property
+    def client(self) -> KubeClient:
+        if self.client_ is None:
+            msg = "the operator has not logged in to the API server yet"
+            raise TransientError(msg)
+        return self.client_
+
+    # --- entry points ---------------------------------------------------------------------
+    async def reconcile(self, key: ObjectKey) -> None:
+        """Reconcile one custom resource from the store (no-op if it is gone or going)."""
+        if not self.discovered:
+            await self._discover()
+        lock = self.locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            body = self.store.objects.get(key)
+            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+                return
+            kind = key[0]
+            try:
+                if kind == "RolloutFleet":
+                    await self._reconcile_fleet(body)
+                elif kind == "SandboxPool":
+                    await self._reconcile_pool(body)
+                else:
+                    await self._reconcile_run(body)
+            except ApiError as exc:
+                if exc.transient:
+                    raise TransientError(str(exc)) from exc
+                raise
+
+    async def _discover(self) -> None:
+        try:
+            lws = await self.client.api_available(LWS_API)
+        except (ApiError, OSError) as exc:
+            raise TransientError(f"API discovery failed: {exc}") from exc
+        self.ctx = replace(self.ctx, lws_available=lws)
+        self.discovered = True
+        log.info(
+            "LeaderWorkerSet API %s", "found" if lws else "absent: multi-node fleets use StatefulSet groups"
+        )
+
+    async def reconcile_dirty(self) -> int:
+        """Reconcile every object marked dirty; returns how many."""
+        keys = self.store.take_dirty()
+        if not keys:
+            return 0
+        semaphore = asyncio.Semaphore(self.settings.concurrency)
+
+        async def one(key: ObjectKey) -> None:
+            async with semaphore:
+                try:
+                    await self.reconcile(key)
+                except TransientError as exc:
+                    log.warning("retrying %s/%s %s: %s", key[1], key[2], key[0], exc)
+                    self.store.dirty.add(key)
+                except ApiError as exc:
+                    log.error("reconcile of %s %s/%s failed: %s", key[0], key[1], key[2], exc)
+
+        await asyncio.gather(*(one(k) for k in keys))
+        return len(keys)
+
+    # --- children -------------------------------------------------------------------------
+    async def _sync_children(
+        self, key: ObjectKey, desired: list[dict[str, Any]], observed: Observed
+    ) -> list[str]:
+        """Apply changed children and delete ones no longer desired; returns apply errors."""
+        now = time.monotonic()
+        force = now - self.full_apply.get(key, -1e18) > self.settings.resync_seconds
+        namespace = key[1]
+        errors: list[str] = []
+        wanted = set()
+        for obj in desired:
+            kind, name = obj["kind"], obj["metadata"]["name"]
+            wanted.add((kind, name))
+            digest = obj["metadata"]["annotations"]["legorl.dev/desired-hash"]
+            current = observed.child(kind, name)
+            last = self.applied.get((namespace, kind, name))
+            recently = last is not None and last[0] == digest and now - last[1] < APPLY_GRACE_SECONDS
+            if not force and ((current is not None and current.hash == digest) or recently):
+                continue
+            try:
+                await self.client.apply(obj)
+            except ApiError as exc:
+                if exc.transient:
+                    raise
+                errors.append(f"{kind} {name}: {exc.message}")
+                continue
+            self.applied[(namespace, kind, name)] = (digest, now)
+        for kind, name in list(observed.children):
+            if (kind, name) not in wanted:
+                await self.client.delete(kind, namespace, name)
+                self.applied.pop((namespace, kind, name), None)
+        if force and not errors:
+            self.full_apply[key] = now
+        return errors
+
+    # --- status ---------------------------------------------------------------------------
+    async def _write_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+        old = body.get("status") or {}
+        if _comparable(old) == _comparable(status):
+            return
+        meta = body["metadata"]
+        await self.client.patch_status(body["kind"], meta.get("namespace", "default"), meta["name"], status)
+        body["status"] = status  # what the watch will show; avoids a second patch meanwhile
+        await self._post_transitions(body, old.get("conditions") or [], status.get("conditions") or [])
+
+    async def _post_transitions(
+        self, body: dict[str, Any], before: list[dict[str, Any]], after: list[dict[str, Any]]
+    ) -> None:
+        old = {c.get("type"): (c.get("status"), c.get("reason")) for c in before}
+        for cond in after:
+            if old.get(cond["type"]) == (cond["status"], cond["reason"]):
+                continue
+            if cond["type"] == "Degraded" and cond["status"] == "False" and cond["type"] not in old:
+                continue  # "nothing is wrong" at creation is not news
+            warning = (cond["type"], cond["status"]) in WARNING_WHEN and cond["reason"] not in QUIET_REASONS
+            message = f"{cond['type']}={cond['status']}" + (
+                f": {cond['message']}" if cond.get("message") else ""
+            )
+            try:
+                await self.client.event(
+                    body,
+                    type_="Warning" if warning else "Normal",
+                    reason=cond["reason"],
+                    message=message,
+                    now=self.clock(),
+                )
+            except ApiError as exc:  # an event is best effort; the status already says it
+                log.warning("could not post event for %s: %s", body["metadata"]["name"], exc)
+
+    # --- RolloutFleet ---------------------------------------------------------------------
+    async def _reconcile_fleet(self, body: dict[str, Any]) -> None:
+        ns, name = body["metadata"].get("namespace", "default"), body["metadata"]["name"]
+        key: ObjectKey = ("RolloutFleet", ns, name)
+        observed = self.store.observed(ns, owner_key("RolloutFleet", name))
+        try:
+            fleet = RolloutFleet.model_validate(body)
+        except ValidationError as exc:
+            await self._write_invalid(body, "Ready", _status_problem(exc))
+            return
+        error: str | None = None
+        try:
+            desired = render_fleet(fleet, self.ctx)
+        except RenderError as exc:
+            desired, error = [], str(exc)
+        errors = await self._sync_children(key, desired, observed)
+        if errors and error is None:
+            error = "the API server refused children: " + "; ".join(errors)
+        status = compute_fleet_status(fleet, observed, self.clock(), render_error=error)
+        await self._write_status(body, status.to_wire())
+
+    # --- SandboxPool ----------------------------------------------------------------------
+    async def _reconcile_pool(self, body: dict[str, Any]) -> None:
+        ns, name = body["metadata"].get("namespace", "default"), body["metadata"]["name"]
+        key: ObjectKey = ("SandboxPool", ns, name)
+        observed = self.store.observed(ns, owner_key("SandboxPool", name))
+        try:
+            pool = SandboxPool.model_validate(body)
+        except ValidationError as exc:
+            await self._write_invalid(body, "Ready", _status_problem(exc))
+            return
+        images: list[str] = []
+        if pool.spec.source.task_set is not None:
+            images, _ = await self.task_set_images(ns, pool.spec.source.task_set.uri)
+        desired = render_pool(pool, self.ctx, images)
+        errors = await self._sync_children(key, desired, observed)
+        status = compute_pool_status(
+            pool,
+            observed,
+            self.clock(),
+            task_set_images=images,
+            pod_template_hash=pod_template_hash(pool, self.ctx),
+        )
+        wire = status.to_wire()
+        if errors:
+            log.error("pool %s/%s: the API server refused children: %s", ns, name, errors)
+        await self._write_status(body, wire)
+
+    async def task_set_images(self, namespace: str, uri: str) -> tuple[list[str], bool]:
+        """(images named by a `configmap://name/key` task set, whether it was found).
+
+        Task sets in object stores are read by the run controller, which names their
+        images through the Lookahead annotation; the operator holds no store credentials.
+        """
+        if not uri.startswith("configmap://"):
+            return [], True
+        ref = uri.removeprefix("configmap://")
+        cm_name, _, data_key = ref.partition("/")
+        now = time.monotonic()
+        cached = self.task_sets.get((namespace, ref))
+        if cached is not None and now - cached[0] < self.settings.resync_seconds:
+            return cached[1], cached[2]
+        cm = await self.client.get("ConfigMap", namespace, cm_name)
+        text = ((cm or {}).get("data") or {}).get(data_key or "tasks.jsonl")
+        found = text is not None
+        images: list[str] = []
+        for line in (text or "").splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            image = entry.get("image") if isinstance(entry, dict) else None
+            if isinstance(image, str) and image:
+                images.append(image)
+        self.task_sets[(namespace, ref)] = (now, images, found)
+        return images, found
+
+    # --- RLRun ----------------------------------------------------------------------------
+    def _referenced(self, kind: str, namespace: str, name: str) -> RolloutFleet | SandboxPool | None:
+        body = self.store.objects.get((kind, namespace, name))
+        if body is None:
+            return None
+        model = RolloutFleet if kind == "RolloutFleet" else SandboxPool
+        try:
+            return model.model_validate(body)
+        except ValidationError:
+            return None
+
+    async def _run_problems(
+        self, run: RLRun, fleet: RolloutFleet | None, pool: SandboxPool | None
+    ) -> list[Problem]:
+        problems = check_resource(run)
+        ns = run.metadata.namespace or "default"
+        if run.spec.fleet_ref is not None:
+            if fleet is None:
+                problems.append(
+                    Problem(
+                        "error",
+                        "spec.fleetRef.name",
+                        f"RolloutFleet {run.spec.fleet_ref.name!r} does not exist in namespace {ns}; "
+                        "create it or point fleetRef at an existing one",
+                        "reference",
+                    )
+                )
+            else:
+                problems += list(check_run_against_fleet(run, fleet))
+        if run.spec.pool_ref is not None and pool is None:
+            problems.append(
+                Problem(
+                    "error",
+                    "spec.poolRef.name",
+                    f"SandboxPool {run.spec.pool_ref.name!r} does not exist in namespace {ns}; "
+                    "create it or point poolRef at an existing one",
+                    "reference",
+                )
+            )
+        if run.spec.fleet is not None:
+            probe = RolloutFleet.model_validate(
+                {
+                    "metadata": {"name": fleet_name(run), "namespace": ns},
+                    "spec": {**run.spec.fleet.to_wire(), "model": run.spec.policy.checkpoint.to_wire()},
+                }
+            )
+            try:
+                model_location(probe)
+            except RenderError as exc:
+                problems.append(Problem("error", "spec.policy.checkpoint.uri", exc.message, "preflight"))
+        task_uri = run.spec.tasks.source.uri
+        if task_uri.startswith("configmap://"):
+            _, found = await self.task_set_images(ns, task_uri)
+            if not found:
+                problems.append(
+                    Problem(
+                        "error",
+                        "spec.tasks.source.uri",
+                        f"task set {task_uri} is not readable: the ConfigMap or its key does not exist",
+                        "preflight",
+                    )
+                )
+        return problems
+
+    async def _reconcile_run(self, body: dict[str, Any]) -> None:
+        ns, name = body["metadata"].get("namespace", "default"), body["metadata"]["name"]
+        key: ObjectKey = ("RLRun", ns, name)
+        observed = self.store.observed(ns, owner_key("RLRun", name))
+        try:
+            run = RLRun.model_validate(body)
+        except ValidationError as exc:
+            await self._write_invalid(body, "Validated", _status_problem(exc))
+            return
+        self.store.set_dependencies(
+            key, [("RolloutFleet", ns, fleet_name(run)), ("SandboxPool", ns, pool_name(run))]
+        )
+        fleet = self._referenced("RolloutFleet", ns, fleet_name(run))
+        pool = self._referenced("SandboxPool", ns, pool_name(run))
+        problems = await self._run_problems(
+            run,
+            fleet if isinstance(fleet, RolloutFleet) else None,
+            pool if isinstance(pool, SandboxPool) else None,
+        )
+        errors = [p for p in problems if p.severity == "error"]
+        terminal = run.status is not None and is_terminal(run.status.conditions)
+        now = self.clock()
+        # Compute the status first: a deadline that just passed must already scale things down.
+        status = compute_run_status(
+            run,
+            observed,
+            now,
+            fleet=fleet if isinstance(fleet, RolloutFleet) else None,
+            pool=pool if isinstance(pool, SandboxPool) else None,
+            problems=problems,
+            store_uri=store_uri(run, self.ctx),
+        )
+        terminal = terminal or is_terminal(status.conditions)
+        # A failed preflight starts nothing new and keeps what exists: a later fix of a typo
+        # resumes the run instead of having torn it down.
+        if not errors:
+            rendered = run
+            if terminal and not run.spec.suspend:
+                # An ended run keeps its store but holds no GPUs: render it as suspended.
+                rendered = run.model_copy(update={"spec": run.spec.model_copy(update={"suspend": True})})
+            if isinstance(fleet, RolloutFleet):
+                port = fleet.spec.port
+            else:
+                port = run.spec.fleet.port if run.spec.fleet is not None else 8000
+            await self._sync_children(key, render_run(rendered, self.ctx, port), observed)
+        await self._write_status(body, status.to_wire())
+
+    async def _write_invalid(self, body: dict[str, Any], type_: str, message: str) -> None:
+        now = self.clock()
+        previous = [Condition.model_validate(c) for c in (body.get("status") or {}).get("conditions") or []]
+        conditions = set_condition(
+            previous,
+            type_=type_,
+            status="False",
+            reason="InvalidSpec",
+            message=message,
+            generation=int(body["metadata"].get("generation") or 0),
+            now=now,
+        )
+        status = dict(body.get("status") or {})
+        status["conditions"] = [c.to_wire() for c in conditions]
+        status["observedGeneration"] = int(body["metadata"].get("generation") or 0)
+        if body["kind"] == "RLRun":
+            status["phase"], status["reason"] = "Invalid", "InvalidSpec"
+        await self._write_status(body, status)
+
+
+def _comparable(status: dict[str, Any]) -> str:
+    return json.dumps(status, sort_keys=True, default=str)

@@ -1,0 +1,212 @@
+"""Pieces every renderer shares: names, labels, owner references, hashes and pod hardening."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from legorl.api._base import GROUP_VERSION
+from legorl.api.common import EnvVar, Placement, PodIdentity, ResourceRequirements
+from legorl.api.kinds import Resource
+
+MANAGED_BY = "legorl-operator"
+"""Value of `app.kubernetes.io/managed-by` on every child; the operator watches only these."""
+OWNER_LABEL = "legorl.dev/owner"
+"""`<kind>.<name>` of the custom resource a child belongs to (lowercase kind); the index key."""
+COMPONENT_LABEL = "legorl.dev/component"
+HASH_ANNOTATION = "legorl.dev/desired-hash"
+"""Hash of the rendered child; the operator re-applies a child only when it changes."""
+POLICY_VERSION_ANNOTATION = "legorl.dev/policy-version"
+"""Set on engine pods by whoever loads new weights; the fleet reports it as the served version."""
+LOOKAHEAD_ANNOTATION = "legorl.dev/lookahead-images"
+"""On a SandboxPool with prePull Lookahead: JSON list of the next tasks' images (run controller)."""
+
+MAX_LABEL_VALUE = 63
+
+
+@dataclass(frozen=True)
+class Images:
+    """Images of legorl's own containers (chart values `operator.images.*`)."""
+
+    proxy: str = "ghcr.io/legorl/proxy:0.1.0"
+    trainer: str = "ghcr.io/legorl/trainer:0.1.0"
+    sandbox_init: str = "ghcr.io/legorl/sandbox-init:0.1.0"
+    harness: Mapping[str, str] = field(
+        default_factory=lambda: {
+            "ClaudeCode": "ghcr.io/legorl/harness-claude-code:0.1.0",
+            "Codex": "ghcr.io/legorl/harness-codex:0.1.0",
+            "OpenCode": "ghcr.io/legorl/harness-opencode:0.1.0",
+            "OpenHands": "ghcr.io/legorl/harness-openhands:0.1.0",
+            "MiniSweAgent": "ghcr.io/legorl/harness-mini-swe-agent:0.1.0",
+        }
+    )
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """What rendering needs beyond the object itself; everything here is explicit input."""
+
+    images: Images = field(default_factory=Images)
+    lws_available: bool = False
+    """Whether the LeaderWorkerSet API is installed (multi-node fleets use it when it is)."""
+    default_store_uri: str = "pvc://legorl-store/runs"
+    """Run store for runs that set no `spec.store`."""
+
+
+def short_hash(value: Any, length: int = 10) -> str:
+    """A stable hex digest of a JSON-able value."""
+    raw = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(raw).hexdigest()[:length]
+
+
+def label_value(value: str) -> str:
+    """`value` if it is a valid label value, else a truncated prefix plus a hash (≤ 63 chars)."""
+    if len(value) <= MAX_LABEL_VALUE:
+        return value
+    digest = short_hash(value, 8)
+    return f"{value[: MAX_LABEL_VALUE - 9].rstrip('-._')}-{digest}"
+
+
+def owner_key(kind: str, name: str) -> str:
+    """The `legorl.dev/owner` label value of children of `kind`/`name`."""
+    return label_value(f"{kind.lower()}.{name}")
+
+
+def labels(res: Resource, component: str, app: str) -> dict[str, str]:
+    """Labels of a child: the recommended `app.kubernetes.io/*` set plus `legorl.dev/*`."""
+    name = res.metadata.name
+    return {
+        "app.kubernetes.io/name": app,
+        "app.kubernetes.io/instance": label_value(name),
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "legorl",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        OWNER_LABEL: owner_key(res.kind, name),
+        COMPONENT_LABEL: component,
+        f"legorl.dev/{_kind_label(res.kind)}": label_value(name),
+    }
+
+
+def selector_labels(res: Resource, component: str) -> dict[str, str]:
+    """The immutable subset used in selectors (never add to it: selectors cannot change)."""
+    return {OWNER_LABEL: owner_key(res.kind, res.metadata.name), COMPONENT_LABEL: component}
+
+
+def selector_string(match_labels: Mapping[str, str]) -> str:
+    """`k=v,k=v` form of a label selector (status.selector for the scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
+
+
+def _kind_label(kind: str) -> str:
+    return {"RolloutFleet": "fleet", "SandboxPool": "pool", "RLRun": "run"}[kind]
+
+
+def owner_reference(res: Resource) -> dict[str, Any]:
+    """A controller owner reference to `res` (children are garbage-collected with it)."""
+    uid = (res.metadata.model_extra or {}).get("uid")
+    if not uid:
+        msg = f"{res.kind} {res.metadata.name} has no metadata.uid; render children of stored objects only"
+        raise ValueError(msg)
+    return {
+        "apiVersion": GROUP_VERSION,
+        "kind": res.kind,
+        "name": res.metadata.name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def metadata(res: Resource, name: str, component: str, app: str, **extra: Any) -> dict[str, Any]:
+    """Child metadata: name, namespace, labels, the controller owner reference."""
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": res.metadata.namespace or "default",
+        "labels": labels(res, component, app),
+        "ownerReferences": [owner_reference(res)],
+    }
+    meta.update(extra)
+    return meta
+
+
+def with_hash(obj: dict[str, Any]) -> dict[str, Any]:
+    """Stamp the desired-state hash on a rendered object (computed without the stamp itself)."""
+    annotations = obj["metadata"].setdefault("annotations", {})
+    annotations.pop(HASH_ANNOTATION, None)
+    annotations[HASH_ANNOTATION] = short_hash(obj, 16)
+    return obj
+
+
+def env_list(env: list[EnvVar], base: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """core/v1 env entries: `base` literals first, then the user's (which win on name clash)."""
+    out: dict[str, dict[str, Any]] = {k: {"name": k, "value": v} for k, v in (base or {}).items()}
+    for var in env:
+        entry: dict[str, Any] = {"name": var.name}
+        if var.value_from is not None:
+            ref = var.value_from.secret_key_ref
+            entry["valueFrom"] = {"secretKeyRef": {"name": ref.name, "key": ref.key}}
+        else:
+            entry["value"] = var.value or ""
+        out[var.name] = entry
+    return list(out.values())
+
+
+def resources(
+    req: ResourceRequirements, gpus: int = 0, gpu_resource: str = "nvidia.com/gpu"
+) -> dict[str, Any]:
+    """core/v1 ResourceRequirements, with `gpus` whole GPUs as both request and limit."""
+    out: dict[str, Any] = {}
+    requests = {k: str(v) for k, v in req.requests.items()}
+    limits = {k: str(v) for k, v in req.limits.items()}
+    if gpus:
+        requests[gpu_resource] = str(gpus)
+        limits[gpu_resource] = str(gpus)
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def pod_placement(placement: Placement, identity: PodIdentity, service_account: str | None) -> dict[str, Any]:
+    """Scheduling and identity fields of a PodSpec."""
+    spec: dict[str, Any] = {}
+    if placement.node_selector:
+        spec["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        spec["tolerations"] = [t.to_wire() for t in placement.tolerations]
+    if placement.affinity:
+        spec["affinity"] = placement.affinity
+    if placement.priority_class_name:
+        spec["priorityClassName"] = placement.priority_class_name
+    account = identity.service_account_name or service_account
+    if account:
+        spec["serviceAccountName"] = account
+    if identity.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s.name} for s in identity.image_pull_secrets]
+    return spec
+
+
+RESTRICTED_POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""Pod-level securityContext meeting the `restricted` Pod Security Standard."""
+
+
+def restricted_container(read_only_root: bool = True, user: int | None = 65532) -> dict[str, Any]:
+    """Container securityContext meeting `restricted`: non-root, no privilege escalation, no caps."""
+    ctx: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": read_only_root,
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if user is not None:
+        ctx["runAsUser"] = user
+        ctx["runAsGroup"] = user
+    return ctx

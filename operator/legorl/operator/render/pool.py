@@ -1,0 +1,421 @@
+"""SandboxPool → image pre-pull DaemonSets, warm sandboxes, a deny-by-default NetworkPolicy,
+and the trial pod template the run controller starts trials from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from legorl.api.kinds import SandboxPool
+from legorl.api.run import NATIVE_API_FORMAT, Harness
+from legorl.operator.render.common import (
+    LOOKAHEAD_ANNOTATION,
+    RESTRICTED_POD_SECURITY,
+    RenderContext,
+    env_list,
+    label_value,
+    labels,
+    metadata,
+    pod_placement,
+    resources,
+    restricted_container,
+    selector_labels,
+    short_hash,
+    with_hash,
+)
+
+APP = "legorl-sandbox"
+PREPULL = "prepull"
+WARM = "warm-sandbox"
+TRIAL = "trial"
+AGENT_UID = 65532
+PROXY_UID = 65533
+"""The proxy runs as its own user: the egress lock lets only this UID open non-loopback sockets."""
+PROXY_PORT = 4000
+TOOLS_DIR = "/legorl"
+HARNESS_DIR = "/opt/legorl-harness"
+STAGED_WORKSPACE = "/staged-workspace"
+PULL_COMMAND = ["/bin/sh", "-c", "exit 0"]
+"""What a pre-pull init container runs: nothing; the kubelet pulled the image to start it.
+Task images must carry /bin/sh (every SWE-bench-style image does)."""
+
+
+def sandbox_account(pool_name: str) -> str:
+    """The permissionless ServiceAccount trial pods run as when the pool names none."""
+    return f"{pool_name}-sandbox"
+
+
+def lookahead_images(pool: SandboxPool) -> list[str]:
+    """Images the run controller named for the next tasks (pool annotation, JSON list)."""
+    raw = (pool.metadata.annotations or {}).get(LOOKAHEAD_ANNOTATION)
+    if not raw:
+        return []
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return []
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def desired_images(pool: SandboxPool, task_set_images: list[str]) -> list[str]:
+    """Distinct images to cache on every matching node, in a stable order."""
+    policy = pool.spec.pre_pull.policy
+    if policy == "Never":
+        return []
+    if policy == "Lookahead":
+        wanted = lookahead_images(pool)[: pool.spec.pre_pull.lookahead or 0]
+    else:
+        wanted = [*pool.spec.source.images, *task_set_images]
+    return list(dict.fromkeys(wanted))
+
+
+def prepull_name(pool_name: str, chunk: int) -> str:
+    return f"{pool_name}-prepull-{chunk}"
+
+
+def _tiny_resources() -> dict[str, Any]:
+    return {"requests": {"cpu": "1m", "memory": "8Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}}
+
+
+def _prepull_daemon_set(pool: SandboxPool, chunk: int, images: list[str]) -> dict[str, Any]:
+    component = PREPULL
+    name = prepull_name(pool.metadata.name, chunk)
+    chunk_selector = {**selector_labels(pool, component), "legorl.dev/chunk": str(chunk)}
+    pod_labels = {**labels(pool, component, "legorl-prepull"), "legorl.dev/chunk": str(chunk)}
+    spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": RESTRICTED_POD_SECURITY,
+        "terminationGracePeriodSeconds": 1,
+        "initContainers": [
+            {
+                "name": f"pull-{i}",
+                "image": image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": PULL_COMMAND,
+                "resources": _tiny_resources(),
+                "securityContext": restricted_container(),
+            }
+            for i, image in enumerate(images)
+        ],
+        "containers": [
+            {
+                "name": "pause",
+                "image": pool.spec.pre_pull.pause_image,
+                "imagePullPolicy": "IfNotPresent",
+                "resources": _tiny_resources(),
+                "securityContext": restricted_container(),
+            }
+        ],
+    }
+    spec.update(pod_placement(pool.spec.placement, pool.spec.identity, sandbox_account(pool.metadata.name)))
+    spec.pop("priorityClassName", None)  # caching is background work; never preempt for it
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {
+            **metadata(pool, name, component, "legorl-prepull"),
+            "annotations": {"legorl.dev/images": json.dumps(images, separators=(",", ":"))},
+        },
+        "spec": {
+            "selector": {"matchLabels": chunk_selector},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "50%"}},
+            "template": {"metadata": {"labels": pod_labels}, "spec": spec},
+        },
+    }
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """What a trial pod needs beyond the pool: who runs, against which fleet, on which task."""
+
+    run_name: str
+    trial_id: str
+    task_image: str
+    harness: Harness
+    fleet_url: str
+    """Base URL of the fleet's Service, e.g. `http://coder-fleet-engine.ns.svc:8000`."""
+    served_model_name: str = "policy"
+    max_tokens_per_turn: int = 4096
+    store_uri: str = ""
+
+
+def harness_image(harness: Harness, ctx: RenderContext) -> str:
+    if harness.image is not None:
+        return harness.image.image
+    return ctx.images.harness[harness.kind]
+
+
+def _proxy_sidecar(trial: TrialContext, ctx: RenderContext) -> dict[str, Any]:
+    api_format = trial.harness.api_format or NATIVE_API_FORMAT.get(
+        trial.harness.kind, "OpenAIChatCompletions"
+    )
+    return {
+        "name": "proxy",
+        "image": ctx.images.proxy,
+        # A native sidecar: it starts before the agent and stops when the agent is done.
+        "restartPolicy": "Always",
+        "args": [
+            "proxy",
+            f"--listen=127.0.0.1:{PROXY_PORT}",
+            f"--upstream={trial.fleet_url}",
+            f"--served-model-name={trial.served_model_name}",
+            f"--api-format={api_format}",
+            f"--trial={trial.trial_id}",
+            f"--run={trial.run_name}",
+            "--journal=/journal",
+        ],
+        "env": [{"name": "LEGORL_STORE_URI", "value": trial.store_uri}] if trial.store_uri else [],
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+        "securityContext": restricted_container(user=PROXY_UID),
+        "startupProbe": {
+            "tcpSocket": {"port": PROXY_PORT, "host": "127.0.0.1"},
+            "periodSeconds": 1,
+            "failureThreshold": 30,
+        },
+        "volumeMounts": [{"name": "journal", "mountPath": "/journal"}],
+    }
+
+
+def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dict[str, Any]:
+    """The pod of one trial (stages 1–2 of DESIGN §4); the run controller creates it."""
+    spec = pool.spec
+    workspace = spec.workspace.path
+    deadline = spec.deadlines.setup_seconds + spec.deadlines.agent_seconds
+    name = f"{trial.run_name}-{trial.trial_id}"
+    pod_labels = {
+        **labels(pool, TRIAL, APP),
+        "legorl.dev/run": label_value(trial.run_name),
+        "legorl.dev/trial": label_value(trial.trial_id),
+    }
+    harness = trial.harness
+    base_env = {
+        "HOME": "/home/agent",
+        "TMPDIR": "/tmp",
+        "OPENAI_BASE_URL": f"http://127.0.0.1:{PROXY_PORT}/v1",
+        "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{PROXY_PORT}",
+        # Harnesses insist on a key; the proxy ignores it, and the real engine needs none.
+        "OPENAI_API_KEY": "legorl-proxy",
+        "ANTHROPIC_API_KEY": "legorl-proxy",
+        "LEGORL_MODEL_NAME": harness.model_name or trial.served_model_name,
+        "LEGORL_MAX_TURNS": str(harness.max_turns),
+        "LEGORL_WORKSPACE": workspace,
+    }
+    setup_args = [
+        f"{TOOLS_DIR}/bin/legorl-sandbox",
+        "setup",
+        f"--workspace={workspace}",
+        f"--into={STAGED_WORKSPACE}",
+        f"--git-history={spec.defenses.git_history}",
+        f"--egress={spec.defenses.egress}",
+        f"--proxy-uid={PROXY_UID}",
+    ]
+    init_containers: list[dict[str, Any]] = [
+        {
+            "name": "tools",
+            "image": ctx.images.sandbox_init,
+            "args": ["install", f"--into={TOOLS_DIR}"],
+            "securityContext": restricted_container(user=AGENT_UID),
+            "volumeMounts": [{"name": "tools", "mountPath": TOOLS_DIR}],
+        },
+        {
+            "name": "harness-runtime",
+            "image": harness_image(harness, ctx),
+            "args": ["install", f"--into={HARNESS_DIR}"],
+            "securityContext": restricted_container(user=AGENT_UID),
+            "volumeMounts": [{"name": "harness", "mountPath": HARNESS_DIR}],
+        },
+        {
+            "name": "setup",
+            "image": trial.task_image,
+            "command": setup_args,
+            "securityContext": restricted_container(user=AGENT_UID),
+            "volumeMounts": [
+                {"name": "tools", "mountPath": TOOLS_DIR, "readOnly": True},
+                {"name": "workspace", "mountPath": STAGED_WORKSPACE},
+                {"name": "tmp", "mountPath": "/tmp"},
+            ],
+        },
+    ]
+    if spec.defenses.egress == "ProxyOnly":
+        # The one step that is not `restricted`: installing the UID-owner egress rule needs
+        # NET_ADMIN for a moment, as a service mesh's init container does. It exits before any
+        # untrusted code runs; the agent and the proxy keep no capabilities.
+        init_containers.append(
+            {
+                "name": "egress-lock",
+                "image": ctx.images.sandbox_init,
+                "args": ["egress-lock", f"--allow-uid={PROXY_UID}", "--self-test"],
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "capabilities": {"drop": ["ALL"], "add": ["NET_ADMIN", "NET_RAW"]},
+                    "readOnlyRootFilesystem": True,
+                    "runAsNonRoot": False,
+                    "runAsUser": 0,
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
+            }
+        )
+    init_containers.append(_proxy_sidecar(trial, ctx))
+    agent: dict[str, Any] = {
+        "name": "agent",
+        "image": trial.task_image,
+        "command": harness.command or [f"{HARNESS_DIR}/bin/legorl-harness", harness.kind],
+        "workingDir": workspace,
+        "env": env_list(harness.env, base_env),
+        "resources": resources(spec.resources),
+        "securityContext": restricted_container(user=AGENT_UID),
+        "volumeMounts": [
+            {"name": "workspace", "mountPath": workspace},
+            {"name": "harness", "mountPath": HARNESS_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "home", "mountPath": "/home/agent"},
+        ],
+    }
+    if harness.config_map_ref is not None:
+        agent["volumeMounts"].append(
+            {"name": "harness-config", "mountPath": "/etc/legorl/harness", "readOnly": True}
+        )
+    volumes: list[dict[str, Any]] = [
+        {"name": "tools", "emptyDir": {}},
+        {"name": "harness", "emptyDir": {}},
+        {"name": "workspace", "emptyDir": {"sizeLimit": str(spec.workspace.size_limit)}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}},
+        {"name": "home", "emptyDir": {"sizeLimit": "1Gi"}},
+        {"name": "journal", "emptyDir": {"sizeLimit": "1Gi"}},
+    ]
+    if harness.config_map_ref is not None:
+        volumes.append({"name": "harness-config", "configMap": {"name": harness.config_map_ref.name}})
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "activeDeadlineSeconds": deadline,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {**RESTRICTED_POD_SECURITY, "fsGroup": AGENT_UID},
+        "terminationGracePeriodSeconds": 10,
+        "initContainers": init_containers,
+        "containers": [agent],
+        "volumes": volumes,
+    }
+    if spec.runtime_class_name:
+        pod_spec["runtimeClassName"] = spec.runtime_class_name
+    pod_spec.update(pod_placement(spec.placement, spec.identity, sandbox_account(pool.metadata.name)))
+    meta = metadata(pool, name, TRIAL, APP)
+    meta["labels"] = pod_labels
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+TEMPLATE_PROBE = TrialContext(
+    run_name="run",
+    trial_id="trial",
+    task_image="task:latest",
+    harness=Harness(kind="MiniSweAgent"),
+    fleet_url="http://fleet:8000",
+)
+
+
+def pod_template_hash(pool: SandboxPool, ctx: RenderContext) -> str:
+    """Hash of the trial pod template with placeholder trial inputs (status.podTemplateHash)."""
+    return short_hash(trial_pod(pool, TEMPLATE_PROBE, ctx)["spec"], 12)
+
+
+def _warm_deployment(pool: SandboxPool) -> dict[str, Any]:
+    """Warm sandboxes: the pool's single image, staged and idle until the run controller leases one."""
+    name = f"{pool.metadata.name}-warm"
+    image = pool.spec.source.images[0]
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {**RESTRICTED_POD_SECURITY, "fsGroup": AGENT_UID},
+        "containers": [
+            {
+                "name": "sandbox",
+                "image": image,
+                "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"],
+                "workingDir": pool.spec.workspace.path,
+                "resources": resources(pool.spec.resources),
+                "securityContext": restricted_container(user=AGENT_UID),
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+            }
+        ],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}}],
+    }
+    if pool.spec.runtime_class_name:
+        pod_spec["runtimeClassName"] = pool.spec.runtime_class_name
+    pod_spec.update(
+        pod_placement(pool.spec.placement, pool.spec.identity, sandbox_account(pool.metadata.name))
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(pool, name, WARM, APP),
+        "spec": {
+            "replicas": pool.spec.replicas,
+            "selector": {"matchLabels": selector_labels(pool, WARM)},
+            "template": {"metadata": {"labels": labels(pool, WARM, APP)}, "spec": pod_spec},
+        },
+    }
+
+
+def _network_policy(pool: SandboxPool) -> dict[str, Any]:
+    """Nothing reaches a sandbox; a sandbox reaches only DNS. Each RLRun adds a policy that lets
+    its own trials reach its fleet, so the union is: DNS + that fleet, nothing else."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(pool, sandbox_account(pool.metadata.name), TRIAL, APP),
+        "spec": {
+            "podSelector": {
+                "matchLabels": {
+                    "legorl.dev/pool": label_value(pool.metadata.name),
+                    "app.kubernetes.io/name": APP,
+                }
+            },
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [],
+            "egress": [
+                {
+                    "to": [
+                        {
+                            "namespaceSelector": {
+                                "matchLabels": {"kubernetes.io/metadata.name": "kube-system"}
+                            },
+                            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+                        }
+                    ],
+                    "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+                }
+            ],
+        },
+    }
+
+
+def _service_account(pool: SandboxPool) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": metadata(pool, sandbox_account(pool.metadata.name), TRIAL, APP),
+        "automountServiceAccountToken": False,
+    }
+
+
+def render_pool(pool: SandboxPool, ctx: RenderContext, task_set_images: list[str]) -> list[dict[str, Any]]:
+    """Every child object of a SandboxPool, each stamped with its desired-state hash."""
+    del ctx  # the pool's own children need no legorl images; trial pods do
+    objects: list[dict[str, Any]] = []
+    if pool.spec.identity.service_account_name is None:
+        objects.append(_service_account(pool))
+    images = desired_images(pool, task_set_images)
+    size = pool.spec.pre_pull.images_per_daemon_set
+    for chunk, start in enumerate(range(0, len(images), size)):
+        objects.append(_prepull_daemon_set(pool, chunk, images[start : start + size]))
+    if pool.spec.replicas > 0:
+        objects.append(_warm_deployment(pool))
+    objects.append(_network_policy(pool))
+    return [with_hash(obj) for obj in objects]
+
+
+def warm_selector(pool: SandboxPool) -> dict[str, str]:
+    """Labels of warm sandbox pods (status.selector for the scale subresource)."""
+    return selector_labels(pool, WARM)

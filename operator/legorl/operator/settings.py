@@ -1,0 +1,47 @@
+"""The operator's settings: one object per process, built from the command line and environment
+once at start, then passed down (kopf memo); nothing reads the environment at import time."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from legorl.operator.render.common import Images
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """How this operator process runs."""
+
+    namespaces: tuple[str, ...] = ()
+    """Namespaces to watch; empty watches the whole cluster."""
+    health_port: int = 8080
+    """Port of `/healthz` (kopf's liveness endpoint)."""
+    log_level: str = "INFO"
+    peering: str | None = None
+    """kopf peering name for several replicas (one active at a time); None runs standalone."""
+    images: Images = field(default_factory=Images)
+    default_store_uri: str = "pvc://legorl-store/runs"
+    resync_seconds: float = 300.0
+    """Every object is re-read from the watch cache and fully re-applied at least this often."""
+    debounce_seconds: float = 0.5
+    """Changes seen within this window are reconciled together."""
+    concurrency: int = 16
+    """Objects reconciled at once."""
+    watch_timeout_seconds: int = 300
+    """Server-side watch timeout (kopf re-establishes the watch after it)."""
+
+
+def from_environment(base: OperatorSettings, env: Mapping[str, str] | None = None) -> OperatorSettings:
+    """`base` with image and store settings from the chart's `LEGORL_*` variables."""
+    env = os.environ if env is None else env
+    images = base.images
+    overrides = {
+        "proxy": env.get("LEGORL_PROXY_IMAGE"),
+        "trainer": env.get("LEGORL_TRAINER_IMAGE"),
+        "sandbox_init": env.get("LEGORL_SANDBOX_INIT_IMAGE"),
+    }
+    images = replace(images, **{k: v for k, v in overrides.items() if v})
+    store = env.get("LEGORL_DEFAULT_STORE_URI") or base.default_store_uri
+    return replace(base, images=images, default_store_uri=store)

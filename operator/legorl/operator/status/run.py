@@ -1,0 +1,225 @@
+"""RLRun status: preflight, dependencies, the trainer workload, deadline and the derived phase."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from legorl.api.common import Condition
+from legorl.api.conditions import RunConditionType as T
+from legorl.api.conditions import RunReason as R
+from legorl.api.conditions import find_condition, rfc3339, rlrun_phase
+from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
+from legorl.api.run import PreflightResult, RLRunStatus
+from legorl.manifests.problems import Problem
+from legorl.operator.observe import ChildView, Observed
+from legorl.operator.render.run import fleet_name, pool_name, trainer_name
+from legorl.operator.status.common import ConditionSet, listing
+
+TERMINAL = (T.SUCCEEDED, T.FAILED)
+
+
+def is_terminal(conditions: Sequence[Condition]) -> bool:
+    """Whether the run has ended (Succeeded or Failed is True)."""
+    return any(
+        (c := find_condition(list(conditions), t)) is not None and c.status == "True" for t in TERMINAL
+    )
+
+
+def _parse(ts: str) -> datetime:
+    return datetime.fromisoformat(ts.replace("Z", "+00:00"))
+
+
+def deadline_passed(run: RLRun, now: datetime) -> bool:
+    """Whether spec.activeDeadlineSeconds has run out since the run started."""
+    start = run.status.start_time if run.status else None
+    limit = run.spec.active_deadline_seconds
+    return bool(start and limit and now >= _parse(start) + timedelta(seconds=limit))
+
+
+def _dependency(
+    conds: ConditionSet,
+    *,
+    type_: str,
+    kind: str,
+    name: str,
+    obj: RolloutFleet | SandboxPool | None,
+    ready_reason: str,
+    not_ready_reason: str,
+) -> bool:
+    if obj is None:
+        conds.set(type_, "False", R.REFERENCE_NOT_FOUND, f"{kind} {name!r} does not exist in this namespace")
+        return False
+    ready = find_condition(obj.status.conditions, "Ready") if obj.status else None
+    if ready is not None and ready.status == "True":
+        conds.set(type_, "True", ready_reason, f"{kind} {name}: {ready.message}")
+        return True
+    why = f"{ready.reason}: {ready.message}" if ready is not None else "no status yet"
+    conds.set(type_, "False", not_ready_reason, f"{kind} {name} is not ready ({why})")
+    return False
+
+
+def _preflight_results(problems: Sequence[Problem]) -> list[PreflightResult]:
+    results = [
+        PreflightResult(
+            check=p.check[:63],
+            result="Failed" if p.severity == "error" else "Warning",
+            message=f"{p.path}: {p.message}" if p.path else p.message,
+        )
+        for p in problems
+    ]
+    if not results:
+        results.append(PreflightResult(check="preflight", result="Passed", message="every check passed"))
+    return results[:64]
+
+
+def compute_run_status(
+    run: RLRun,
+    observed: Observed,
+    now: datetime,
+    *,
+    fleet: RolloutFleet | None,
+    pool: SandboxPool | None,
+    problems: Sequence[Problem],
+    store_uri: str,
+) -> RLRunStatus:
+    """The whole status of a run. `problems` are preflight findings (errors block the run)."""
+    previous = run.status or RLRunStatus()
+    generation = run.metadata.generation or 0
+    conds = ConditionSet(previous.conditions, generation, now)
+    errors = [p for p in problems if p.severity == "error"]
+    terminal_before = is_terminal(previous.conditions)
+
+    if errors:
+        reason = R.REFERENCE_NOT_FOUND if all(p.check == "reference" for p in errors) else R.PREFLIGHT_FAILED
+        if any(p.check in {"schema", "cel"} for p in errors):
+            reason = R.INVALID_SPEC
+        text = listing([f"{p.path}: {p.message}" if p.path else p.message for p in errors], 3)
+        conds.set(T.VALIDATED, "False", reason, f"{text}. Nothing was started; fix the spec and re-apply.")
+    else:
+        warnings = [p for p in problems if p.severity == "warning"]
+        note = f" ({len(warnings)} warning(s) in status.preflight)" if warnings else ""
+        conds.set(T.VALIDATED, "True", R.VALID, f"schema, CEL and preflight checks passed{note}")
+
+    rollout_ok = _dependency(
+        conds,
+        type_=T.ROLLOUT_READY,
+        kind="RolloutFleet",
+        name=fleet_name(run),
+        obj=fleet,
+        ready_reason=R.FLEET_READY,
+        not_ready_reason=R.FLEET_NOT_READY,
+    )
+    if (
+        rollout_ok
+        and fleet is not None
+        and run.spec.mode == "Train"
+        and fleet.status is not None
+        and fleet.status.weights_owner not in (None, run.metadata.name)
+    ):
+        conds.set(
+            T.ROLLOUT_READY,
+            "False",
+            R.FLEET_LEASED_BY_OTHER_RUN,
+            f"RLRun {fleet.status.weights_owner} holds the weight lease of fleet {fleet.metadata.name}; "
+            "this run waits until it ends",
+        )
+        rollout_ok = False
+    pool_ok = _dependency(
+        conds,
+        type_=T.SANDBOXES_READY,
+        kind="SandboxPool",
+        name=pool_name(run),
+        obj=pool,
+        ready_reason=R.POOL_READY,
+        not_ready_reason=R.POOL_NOT_READY,
+    )
+
+    start_time = previous.start_time
+    if start_time is None and not errors:
+        start_time = rfc3339(now)
+    timed_run = run.model_copy(update={"status": previous.model_copy(update={"start_time": start_time})})
+
+    job = observed.child("Job", trainer_name(run.metadata.name))
+    trainer_failed = job is not None and (
+        job.counters.get("failed", 0) > 0 or job.conditions.get("Failed", ("",))[0] == "True"
+    )
+    if not terminal_before:
+        if trainer_failed and job is not None:
+            message = job.conditions.get("Failed", ("", "", ""))[2] or "a trainer pod failed"
+            conds.set(T.FAILED, "True", R.TRAINER_FAILED, f"trainer Job {job.name}: {message}")
+        elif not errors and deadline_passed(timed_run, now):
+            conds.set(
+                T.FAILED,
+                "True",
+                R.DEADLINE_EXCEEDED,
+                f"activeDeadlineSeconds ({run.spec.active_deadline_seconds}s) passed since {start_time}; "
+                "the run was scaled to zero and its store kept",
+            )
+        else:
+            conds.set(T.FAILED, "False", R.AS_EXPECTED, "")
+        conds.set(T.SUCCEEDED, "False", R.NOT_STARTED, "no stop condition has been met")
+
+    terminal = is_terminal(conds.conditions)
+    _set_training(conds, run, job, terminal=terminal, errors=bool(errors), deps=(rollout_ok, pool_ok))
+    if find_condition(conds.conditions, T.DEGRADED) is None:
+        # Initialised here; the run controller owns it (fidelity, infra failure rate, staleness).
+        conds.set(T.DEGRADED, "False", R.AS_EXPECTED, "")
+
+    phase, reason = rlrun_phase(conds.conditions, run.spec.suspend)
+    completion = previous.completion_time or (rfc3339(now) if terminal else None)
+    served = fleet.status.served_policy_version if fleet is not None and fleet.status else None
+    return previous.model_copy(
+        update={
+            "observed_generation": generation,
+            "conditions": conds.conditions,
+            "phase": phase.value,
+            "reason": reason,
+            "policy_version": served or previous.policy_version,
+            "start_time": start_time,
+            "completion_time": completion,
+            "preflight": _preflight_results(problems),
+            "store_uri": store_uri,
+            "fleet_name": fleet_name(run),
+            "pool_name": pool_name(run),
+        }
+    )
+
+
+def _set_training(
+    conds: ConditionSet,
+    run: RLRun,
+    job: ChildView | None,
+    *,
+    terminal: bool,
+    errors: bool,
+    deps: tuple[bool, bool],
+) -> None:
+    rollout_ok, pool_ok = deps
+    if terminal:
+        conds.set(T.TRAINING, "False", R.STOPPED, "the run has ended; see Succeeded / Failed")
+    elif errors:
+        conds.set(T.TRAINING, "False", R.NOT_STARTED, "the spec did not pass validation")
+    elif run.spec.suspend:
+        conds.set(
+            T.TRAINING, "False", R.SUSPENDED, "spec.suspend is true: everything the run owns is at zero"
+        )
+    elif not (rollout_ok and pool_ok):
+        waiting = [n for n, ok in (("the fleet", rollout_ok), ("the pool", pool_ok)) if not ok]
+        conds.set(
+            T.TRAINING,
+            "False",
+            R.WAITING_FOR_DEPENDENCIES,
+            f"waiting for {' and '.join(waiting)} to be ready",
+        )
+    else:
+        trainer = ""
+        if job is not None:
+            trainer = f"trainer Job {job.name} has {job.counters.get('active', 0)} active pod(s); "
+        conds.set(
+            T.TRAINING,
+            "False",
+            R.CONTROLLER_PENDING,
+            f"{trainer}the fleet and the pool are ready, but this operator build has no run controller "
+            "to drive trials and steps yet",
+        )
