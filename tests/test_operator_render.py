@@ -1,0 +1,356 @@
+"""Renderers: every input manifest → the exact children the operator creates (golden files),
+each child valid against the upstream Kubernetes schemas, and the properties that matter
+(owner references, labels, hardening, the vLLM command line) checked directly.
+
+Regenerate the golden files after an intended change with `LEGORL_UPDATE_GOLDEN=1 pytest
+tests/test_operator_render.py` and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from legorl.api.kinds import KINDS, Resource, RLRun, RolloutFleet, SandboxPool
+from legorl.api.run import Harness
+from legorl.manifests.generated import to_yaml
+from legorl.manifests.load import Document
+from legorl.manifests.validate import validate_document
+from legorl.operator.render.common import HASH_ANNOTATION, RenderContext, label_value, owner_key
+from legorl.operator.render.fleet import RenderError, render_fleet, vllm_args
+from legorl.operator.render.pool import PROXY_UID, TrialContext, render_pool, trial_pod
+from legorl.operator.render.run import render_run
+from legorl.operator.render.tree import PLACEHOLDER_UID, render_all
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden"
+K8S_VERSION = "1.30"
+"""The oldest Kubernetes the chart supports (Chart.yaml kubeVersion)."""
+
+CASES: dict[str, tuple[Path, RenderContext]] = {
+    "shared-fleet-and-pool": (REPO / "examples/shared-fleet-and-pool.yaml", RenderContext()),
+    "gpu-swe-verified": (REPO / "examples/gpu-swe-verified.yaml", RenderContext()),
+    "fleet-multinode-statefulsets": (GOLDEN / "inputs/fleet-multinode.yaml", RenderContext()),
+    "fleet-multinode-lws": (GOLDEN / "inputs/fleet-multinode.yaml", RenderContext(lws_available=True)),
+    "pool-warm-and-lookahead": (GOLDEN / "inputs/pool-warm.yaml", RenderContext()),
+    "run-suspended": (GOLDEN / "inputs/run-suspended.yaml", RenderContext()),
+}
+
+
+def load(path: Path) -> list[Resource]:
+    return [KINDS[d["kind"]].model_validate(d) for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def stored(res: Resource) -> Resource:
+    """`res` as the API server would hand it to the operator (with a uid and namespace)."""
+    body = res.to_wire()
+    body["metadata"] = {"namespace": "default", **body["metadata"], "uid": PLACEHOLDER_UID}
+    return type(res).model_validate(body)
+
+
+def check_upstream(obj: dict[str, Any]) -> None:
+    """Validate a child against the upstream schema (strict: unknown fields are errors)."""
+    if obj["apiVersion"].startswith("legorl.dev/"):
+        report = validate_document(Document(source="rendered", index=0, line=1, body=obj))
+        assert report.ok, report.problems
+    elif obj["kind"] == "LeaderWorkerSet":
+        # Not a built-in kind, so no bundled schema: validate its pod templates, which is where
+        # mistakes would be, as core/v1 PodTemplates.
+        templates = obj["spec"]["leaderWorkerTemplate"]
+        for key in ("leaderTemplate", "workerTemplate"):
+            kubernetes_validate.validate(
+                {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": "t"},
+                    "template": templates[key],
+                },
+                K8S_VERSION,
+                strict=True,
+            )
+        assert set(obj["spec"]) == {"replicas", "startupPolicy", "rolloutStrategy", "leaderWorkerTemplate"}
+    else:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden(case: str) -> None:
+    path, ctx = CASES[case]
+    rendered = render_all(load(path), ctx)
+    text = "---\n".join(to_yaml(obj) for obj in rendered)
+    golden = GOLDEN / f"{case}.yaml"
+    if os.environ.get("LEGORL_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert golden.exists(), f"missing {golden}; run with LEGORL_UPDATE_GOLDEN=1 to create it"
+    assert text == golden.read_text(), f"{case}: rendering changed; review and regenerate {golden.name}"
+    for obj in rendered:
+        check_upstream(obj)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_children_are_owned_labelled_and_hashed(case: str) -> None:
+    path, ctx = CASES[case]
+    resources = [stored(r) for r in load(path)]
+    for res in resources:
+        for obj in render_all([res], ctx):
+            meta = obj["metadata"]
+            (owner,) = meta["ownerReferences"]
+            assert owner["controller"] is True and owner["blockOwnerDeletion"] is True
+            assert owner["uid"] == PLACEHOLDER_UID
+            labels = meta["labels"]
+            assert labels["app.kubernetes.io/managed-by"] == "legorl-operator"
+            assert labels["app.kubernetes.io/part-of"] == "legorl"
+            assert labels["legorl.dev/owner"] == owner_key(owner["kind"], owner["name"])
+            assert all(len(v) <= 63 for v in labels.values())
+            assert len(meta["name"]) <= 63
+            assert len(meta["annotations"][HASH_ANNOTATION]) == 16
+
+
+def containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = obj.get("spec", {})
+    if obj["kind"] == "Pod":
+        pod = spec
+    elif obj["kind"] == "LeaderWorkerSet":
+        pod = spec["leaderWorkerTemplate"]["leaderTemplate"]["spec"]
+    elif "template" in spec:
+        pod = spec["template"]["spec"]
+    else:
+        return []
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_container_is_restricted(case: str) -> None:
+    path, ctx = CASES[case]
+    for obj in render_all(load(path), ctx):
+        for container in containers(obj):
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, container["name"]
+            assert sc["capabilities"]["drop"] == ["ALL"], container["name"]
+            assert sc["runAsNonRoot"] is True, container["name"]
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, container["name"]
+            assert sc["readOnlyRootFilesystem"] is True, container["name"]
+
+
+def test_content_changes_change_the_hash_and_nothing_else_does() -> None:
+    (fleet,) = load(GOLDEN / "inputs/fleet-multinode.yaml")
+    before = {(o["kind"], o["metadata"]["name"]): o for o in render_fleet(stored(fleet), RenderContext())}
+    again = {(o["kind"], o["metadata"]["name"]): o for o in render_fleet(stored(fleet), RenderContext())}
+    assert before == again
+    bigger = fleet.model_copy(update={"spec": fleet.spec.model_copy(update={"max_unavailable": 2})})
+    after = {(o["kind"], o["metadata"]["name"]): o for o in render_fleet(stored(bigger), RenderContext())}
+    changed = {
+        n for n in before if before[n]["metadata"]["annotations"] != after[n]["metadata"]["annotations"]
+    }
+    assert changed == {("PodDisruptionBudget", "big-fleet-engine")}  # the only child using maxUnavailable
+
+
+def fleet_from(spec: dict[str, Any]) -> RolloutFleet:
+    return stored(
+        RolloutFleet.model_validate(
+            {
+                "kind": "RolloutFleet",
+                "metadata": {"name": "f"},
+                "spec": {"model": {"uri": "hf://org/m"}, **spec},
+            }
+        )
+    )  # type: ignore[return-value]
+
+
+def test_vllm_command_line_follows_the_spec() -> None:
+    fleet = fleet_from(
+        {
+            "parallelism": {"gpusPerNode": 4, "tensorParallelSize": 4, "expertParallel": "Enabled"},
+            "settings": {
+                "dtype": "bfloat16",
+                "maxModelLen": 32768,
+                "maxNumSeqs": 64,
+                "gpuMemoryUtilizationPercent": 85,
+                "toolCallParser": "hermes",
+            },
+            "servedModelName": "coder",
+        }
+    )
+    args = vllm_args(fleet, "org/m", [])
+    joined = " ".join(args)
+    for expected in (
+        "--served-model-name coder",
+        "--dtype bfloat16",
+        "--tensor-parallel-size 4",
+        "--pipeline-parallel-size 1",
+        "--enable-expert-parallel",
+        "--max-model-len 32768",
+        "--max-num-seqs 64",
+        "--gpu-memory-utilization 0.85",
+        "--enable-prefix-caching",
+        "--enable-return-routed-experts",
+        "--enable-auto-tool-choice --tool-call-parser hermes",
+        '--weight-transfer-config {"backend":"legorl_filesystem"}',
+        "--worker-extension-cls legorl.trainer.weight_sync.FilesystemWeightTransfer",
+    ):
+        assert expected in joined, expected
+    assert "--distributed-executor-backend" not in joined
+    off = fleet_from({"settings": {"routedExpertsCapture": "Disabled", "prefixCaching": "Disabled"}})
+    joined = " ".join(vllm_args(off, "org/m", []))
+    assert "--enable-return-routed-experts" not in joined
+    assert "--no-enable-prefix-caching" in joined
+
+
+def test_cpu_fleet_requests_no_gpus_and_sizes_its_kv_cache() -> None:
+    fleet = fleet_from({"parallelism": {"gpusPerNode": 0}})
+    deploy = next(o for o in render_fleet(fleet, RenderContext()) if o["kind"] == "Deployment")
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in str(container.get("resources"))
+    assert {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "4"} in container["env"]
+    assert "--gpu-memory-utilization" not in container["args"]
+
+
+def test_gpu_fleet_requests_whole_gpus_and_keeps_user_resources() -> None:
+    fleet = fleet_from(
+        {
+            "parallelism": {"gpusPerNode": 2, "tensorParallelSize": 2},
+            "resources": {"limits": {"memory": "64Gi"}},
+        }
+    )
+    deploy = next(o for o in render_fleet(fleet, RenderContext()) if o["kind"] == "Deployment")
+    resources = deploy["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources == {
+        "requests": {"nvidia.com/gpu": "2"},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": "2"},
+    }
+
+
+@pytest.mark.parametrize("uri", ["builtin://tiny-moe", "file:///models/m"])
+def test_local_only_models_cannot_render(uri: str) -> None:
+    fleet = stored(
+        RolloutFleet.model_validate(
+            {"kind": "RolloutFleet", "metadata": {"name": "f"}, "spec": {"model": {"uri": uri}}}
+        )
+    )
+    with pytest.raises(
+        RenderError, match=r"exist only in local runs \(`legorl run`\); on a cluster use hf://"
+    ):
+        render_fleet(fleet, RenderContext())  # type: ignore[arg-type]
+
+
+def test_model_sources_map_to_engine_arguments() -> None:
+    pvc = fleet_from({})
+    pvc = pvc.model_copy(
+        update={
+            "spec": pvc.spec.model_copy(
+                update={"model": pvc.spec.model.model_copy(update={"uri": "pvc://models/qwen/v1"})}
+            )
+        }
+    )
+    deploy = next(o for o in render_fleet(pvc, RenderContext()) if o["kind"] == "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["containers"][0]["args"][0] == "/models/models/qwen/v1"
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod[
+        "volumes"
+    ]
+    s3 = pvc.model_copy(
+        update={
+            "spec": pvc.spec.model_copy(
+                update={"model": pvc.spec.model.model_copy(update={"uri": "s3://bucket/qwen"})}
+            )
+        }
+    )
+    args = next(o for o in render_fleet(s3, RenderContext()) if o["kind"] == "Deployment")["spec"][
+        "template"
+    ]["spec"]["containers"][0]["args"]
+    assert args[:3] == ["s3://bucket/qwen", "--load-format", "runai_streamer"]
+
+
+def test_trial_pod_is_hardened_and_reaches_only_its_proxy() -> None:
+    (_, pool, run, _) = load(REPO / "examples/shared-fleet-and-pool.yaml")
+    assert isinstance(pool, SandboxPool) and isinstance(run, RLRun)
+    trial = TrialContext(
+        run_name="coder-grpo",
+        trial_id="t-0001",
+        task_image="ghcr.io/example/astropy-12907:1",
+        harness=Harness(kind="ClaudeCode"),
+        fleet_url="http://coder-fleet-engine.default.svc:8000",
+    )
+    pod = trial_pod(stored(pool), trial, RenderContext())  # type: ignore[arg-type]
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    text = "---\n" + to_yaml(pod)
+    golden = GOLDEN / "trial-pod.yaml"
+    if os.environ.get("LEGORL_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text()
+    spec = pod["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["enableServiceLinks"] is False
+    assert (
+        spec["activeDeadlineSeconds"] == pool.spec.deadlines.setup_seconds + pool.spec.deadlines.agent_seconds
+    )
+    init = {c["name"]: c for c in spec["initContainers"]}
+    assert list(init) == ["tools", "harness-runtime", "setup", "egress-lock", "proxy"]
+    # The proxy is a native sidecar under its own UID; the egress lock lets only that UID out.
+    assert init["proxy"]["restartPolicy"] == "Always"
+    assert init["proxy"]["securityContext"]["runAsUser"] == PROXY_UID
+    assert f"--allow-uid={PROXY_UID}" in init["egress-lock"]["args"]
+    assert init["egress-lock"]["securityContext"]["capabilities"] == {
+        "drop": ["ALL"],
+        "add": ["NET_ADMIN", "NET_RAW"],
+    }
+    (agent,) = spec["containers"]
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:4000"
+    assert "--api-format=AnthropicMessages" in init["proxy"]["args"]
+    assert agent["securityContext"]["runAsUser"] != PROXY_UID
+    for container in [agent, *(c for n, c in init.items() if n != "egress-lock")]:
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # No egress lock when the pool turns it off (and the pool says so in its status).
+    relaxed = stored(
+        pool.model_copy(
+            update={
+                "spec": pool.spec.model_copy(
+                    update={"defenses": pool.spec.defenses.model_copy(update={"egress": "Unrestricted"})}
+                )
+            }
+        )
+    )
+    names = [c["name"] for c in trial_pod(relaxed, trial, RenderContext())["spec"]["initContainers"]]  # type: ignore[arg-type]
+    assert "egress-lock" not in names
+
+
+def test_sandbox_network_policies_allow_dns_and_the_runs_fleet_only() -> None:
+    _, pool, run, _ = [stored(r) for r in load(REPO / "examples/shared-fleet-and-pool.yaml")]
+    pool_np = next(o for o in render_pool(pool, RenderContext(), []) if o["kind"] == "NetworkPolicy")  # type: ignore[arg-type]
+    assert pool_np["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert pool_np["spec"]["ingress"] == []
+    (dns,) = pool_np["spec"]["egress"]
+    assert {p["port"] for p in dns["ports"]} == {53}
+    run_np = next(o for o in render_run(run, RenderContext(), 8000) if o["kind"] == "NetworkPolicy")  # type: ignore[arg-type]
+    (rule,) = run_np["spec"]["egress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert rule["to"][0]["podSelector"]["matchLabels"]["legorl.dev/owner"] == owner_key(
+        "RolloutFleet", "coder-fleet"
+    )
+    assert run_np["spec"]["podSelector"]["matchLabels"] == {
+        "legorl.dev/run": "coder-grpo",
+        "legorl.dev/pool": label_value("python-repos"),
+    }
+
+
+def test_suspended_run_scales_what_it_owns_to_zero() -> None:
+    (run,) = [stored(r) for r in load(GOLDEN / "inputs/run-suspended.yaml")]
+    children = {o["kind"]: o for o in render_run(run, RenderContext(), 8000)}  # type: ignore[arg-type]
+    assert children["Job"]["spec"]["suspend"] is True
+    assert children["RolloutFleet"]["spec"]["replicas"] == 0
+    assert children["SandboxPool"]["spec"]["replicas"] == 0
+    job_env = {
+        e["name"]: e.get("value") for e in children["Job"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert job_env["LEGORL_STORE_URI"] == "file:///store/runs/research/paused-grpo"
+    assert job_env["NNODES"] == "2" and job_env["NPROC_PER_NODE"] == "8"
+    resumed = run.model_copy(update={"spec": run.spec.model_copy(update={"suspend": False})})
+    children = {o["kind"]: o for o in render_run(resumed, RenderContext(), 8000)}  # type: ignore[arg-type]
+    assert children["Job"]["spec"]["suspend"] is False
+    assert children["RolloutFleet"]["spec"]["replicas"] == 4
