@@ -90,4 +90,6 @@ def test_render_prints_the_effective_resources_and_their_children(
 def test_render_refuses_what_only_runs_locally(run_cli: Callable[..., tuple[int, str, str]]) -> None:
     code, _, err = run_cli("render", str(Path(__file__).parents[1] / "examples/tiny-local.yaml"))
     assert code == 1
-    assert "spec.policy.checkpoint.uri: 'builtin://tiny-moe': builtin:// models exist only in local runs" in err
+    assert (
+        "spec.policy.checkpoint.uri: 'builtin://tiny-moe': builtin:// models exist only in local runs" in err
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import kubernetes_validate
 import pytest
@@ -46,7 +46,10 @@ def load(path: Path) -> list[Resource]:
     return [KINDS[d["kind"]].model_validate(d) for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-def stored(res: Resource) -> Resource:
+R = TypeVar("R", RolloutFleet, SandboxPool, RLRun)
+
+
+def stored(res: R) -> R:
     """`res` as the API server would hand it to the operator (with a uid and namespace)."""
     body = res.to_wire()
     body["metadata"] = {"namespace": "default", **body["metadata"], "uid": PLACEHOLDER_UID}
@@ -95,8 +98,7 @@ def test_golden(case: str) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_children_are_owned_labelled_and_hashed(case: str) -> None:
     path, ctx = CASES[case]
-    resources = [stored(r) for r in load(path)]
-    for res in resources:
+    for res in load(path):
         for obj in render_all([res], ctx):
             meta = obj["metadata"]
             (owner,) = meta["ownerReferences"]
@@ -139,6 +141,7 @@ def test_every_container_is_restricted(case: str) -> None:
 
 def test_content_changes_change_the_hash_and_nothing_else_does() -> None:
     (fleet,) = load(GOLDEN / "inputs/fleet-multinode.yaml")
+    assert isinstance(fleet, RolloutFleet)
     before = {(o["kind"], o["metadata"]["name"]): o for o in render_fleet(stored(fleet), RenderContext())}
     again = {(o["kind"], o["metadata"]["name"]): o for o in render_fleet(stored(fleet), RenderContext())}
     assert before == again
@@ -159,7 +162,7 @@ def fleet_from(spec: dict[str, Any]) -> RolloutFleet:
                 "spec": {"model": {"uri": "hf://org/m"}, **spec},
             }
         )
-    )  # type: ignore[return-value]
+    )
 
 
 def test_vllm_command_line_follows_the_spec() -> None:
@@ -235,7 +238,7 @@ def test_local_only_models_cannot_render(uri: str) -> None:
     with pytest.raises(
         RenderError, match=r"exist only in local runs \(`legorl run`\); on a cluster use hf://"
     ):
-        render_fleet(fleet, RenderContext())  # type: ignore[arg-type]
+        render_fleet(fleet, RenderContext())
 
 
 def test_model_sources_map_to_engine_arguments() -> None:
@@ -276,7 +279,7 @@ def test_trial_pod_is_hardened_and_reaches_only_its_proxy() -> None:
         harness=Harness(kind="ClaudeCode"),
         fleet_url="http://coder-fleet-engine.default.svc:8000",
     )
-    pod = trial_pod(stored(pool), trial, RenderContext())  # type: ignore[arg-type]
+    pod = trial_pod(stored(pool), trial, RenderContext())
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     text = "---\n" + to_yaml(pod)
     golden = GOLDEN / "trial-pod.yaml"
@@ -316,18 +319,20 @@ def test_trial_pod_is_hardened_and_reaches_only_its_proxy() -> None:
             }
         )
     )
-    names = [c["name"] for c in trial_pod(relaxed, trial, RenderContext())["spec"]["initContainers"]]  # type: ignore[arg-type]
+    names = [c["name"] for c in trial_pod(relaxed, trial, RenderContext())["spec"]["initContainers"]]
     assert "egress-lock" not in names
 
 
 def test_sandbox_network_policies_allow_dns_and_the_runs_fleet_only() -> None:
-    _, pool, run, _ = [stored(r) for r in load(REPO / "examples/shared-fleet-and-pool.yaml")]
-    pool_np = next(o for o in render_pool(pool, RenderContext(), []) if o["kind"] == "NetworkPolicy")  # type: ignore[arg-type]
+    _, pool, run, _ = load(REPO / "examples/shared-fleet-and-pool.yaml")
+    assert isinstance(pool, SandboxPool) and isinstance(run, RLRun)
+    pool, run = stored(pool), stored(run)
+    pool_np = next(o for o in render_pool(pool, RenderContext(), []) if o["kind"] == "NetworkPolicy")
     assert pool_np["spec"]["policyTypes"] == ["Ingress", "Egress"]
     assert pool_np["spec"]["ingress"] == []
     (dns,) = pool_np["spec"]["egress"]
     assert {p["port"] for p in dns["ports"]} == {53}
-    run_np = next(o for o in render_run(run, RenderContext(), 8000) if o["kind"] == "NetworkPolicy")  # type: ignore[arg-type]
+    run_np = next(o for o in render_run(run, RenderContext(), 8000) if o["kind"] == "NetworkPolicy")
     (rule,) = run_np["spec"]["egress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
     assert rule["to"][0]["podSelector"]["matchLabels"]["legorl.dev/owner"] == owner_key(
@@ -340,8 +345,10 @@ def test_sandbox_network_policies_allow_dns_and_the_runs_fleet_only() -> None:
 
 
 def test_suspended_run_scales_what_it_owns_to_zero() -> None:
-    (run,) = [stored(r) for r in load(GOLDEN / "inputs/run-suspended.yaml")]
-    children = {o["kind"]: o for o in render_run(run, RenderContext(), 8000)}  # type: ignore[arg-type]
+    (loaded,) = load(GOLDEN / "inputs/run-suspended.yaml")
+    assert isinstance(loaded, RLRun)
+    run = stored(loaded)
+    children = {o["kind"]: o for o in render_run(run, RenderContext(), 8000)}
     assert children["Job"]["spec"]["suspend"] is True
     assert children["RolloutFleet"]["spec"]["replicas"] == 0
     assert children["SandboxPool"]["spec"]["replicas"] == 0
@@ -351,6 +358,6 @@ def test_suspended_run_scales_what_it_owns_to_zero() -> None:
     assert job_env["LEGORL_STORE_URI"] == "file:///store/runs/research/paused-grpo"
     assert job_env["NNODES"] == "2" and job_env["NPROC_PER_NODE"] == "8"
     resumed = run.model_copy(update={"spec": run.spec.model_copy(update={"suspend": False})})
-    children = {o["kind"]: o for o in render_run(resumed, RenderContext(), 8000)}  # type: ignore[arg-type]
+    children = {o["kind"]: o for o in render_run(resumed, RenderContext(), 8000)}
     assert children["Job"]["spec"]["suspend"] is False
     assert children["RolloutFleet"]["spec"]["replicas"] == 4

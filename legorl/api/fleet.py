@@ -180,3 +180,5 @@ class RolloutFleetStatus(ApiModel):
     """Engine endpoints."""
     weights_owner: Annotated[str, Field(max_length=253)] | None = None
     """The RLRun that holds the lease to update this fleet's weights."""
+    version_skew_since: Annotated[str, Field(max_length=MAX_SHORT)] | None = None
+    """When ready replicas began serving different policy versions (RFC 3339); unset when they agree."""

@@ -92,19 +92,21 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
         group, version, plural = _group_version(kind)
 
         @kopf.on.event(group, version, plural, labels=MANAGED, registry=registry, id=f"watch-{plural}")
-        def child_event(event: Mapping[str, Any], namespace: str, memo: Any, **_: Any) -> None:
-            _reconciler(memo).store.child_event(namespace, event["object"], event.get("type") == "DELETED")
+        def child_event(event: kopf.RawEvent, namespace: str | None, memo: Any, **_: Any) -> None:
+            _reconciler(memo).store.child_event(
+                namespace or "", event["object"], event.get("type") == "DELETED"
+            )
 
     @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry, id="watch-pods")
-    def pod_event(event: Mapping[str, Any], namespace: str, memo: Any, **_: Any) -> None:
-        _reconciler(memo).store.pod_event(namespace, event["object"], event.get("type") == "DELETED")
+    def pod_event(event: kopf.RawEvent, namespace: str | None, memo: Any, **_: Any) -> None:
+        _reconciler(memo).store.pod_event(namespace or "", event["object"], event.get("type") == "DELETED")
 
     for kind in CUSTOM_KINDS:
         _register_custom(registry, kind)
 
     @kopf.daemon(API_GROUP, API_VERSION, "rlruns", registry=registry, cancellation_timeout=10.0)
     async def run_controller(
-        stopped: kopf.DaemonStopped, name: str, logger: logging.Logger, **_: Any
+        stopped: kopf.DaemonStopped, name: str, logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any
     ) -> None:
         """The run controller's place: the RL loop of one RLRun runs here once it exists.
 
@@ -120,15 +122,17 @@ def _register_custom(registry: kopf.OperatorRegistry, kind: str) -> None:
     plural = RESOURCES[kind].plural
 
     @kopf.on.event(API_GROUP, API_VERSION, plural, registry=registry, id=f"watch-{plural}")
-    def object_event(event: Mapping[str, Any], namespace: str, memo: Any, **_: Any) -> None:
-        _reconciler(memo).store.object_event(kind, namespace, event["object"], event.get("type") == "DELETED")
+    def object_event(event: kopf.RawEvent, namespace: str | None, memo: Any, **_: Any) -> None:
+        _reconciler(memo).store.object_event(
+            kind, namespace or "", event["object"], event.get("type") == "DELETED"
+        )
 
     @kopf.on.resume(API_GROUP, API_VERSION, plural, registry=registry, id=f"reconcile-{plural}-resume")
     @kopf.on.create(API_GROUP, API_VERSION, plural, registry=registry, id=f"reconcile-{plural}-create")
     @kopf.on.update(API_GROUP, API_VERSION, plural, registry=registry, id=f"reconcile-{plural}-update")
-    async def reconcile(body: kopf.Body, namespace: str, name: str, memo: Any, **_: Any) -> None:
+    async def reconcile(body: kopf.Body, namespace: str | None, name: str, memo: Any, **_: Any) -> None:
         reconciler = _reconciler(memo)
-        key: ObjectKey = (kind, namespace, name)
+        key: ObjectKey = (kind, namespace or "", name)
         reconciler.store.objects[key] = _raw(body)
         try:
             await reconciler.reconcile(key)

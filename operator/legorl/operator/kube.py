@@ -229,15 +229,16 @@ class KubeClient:
         meta = involved["metadata"]
         stamp = rfc3339(now)
         name = f"{meta['name']}.{int(now.timestamp() * 1e6):x}"
-        event = {
+        namespace = meta.get("namespace", "default")
+        event: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"name": name, "namespace": meta.get("namespace", "default")},
+            "metadata": {"name": name, "namespace": namespace},
             "involvedObject": {
                 "apiVersion": involved.get("apiVersion", GROUP_VERSION),
                 "kind": involved["kind"],
                 "name": meta["name"],
-                "namespace": meta.get("namespace", "default"),
+                "namespace": namespace,
                 "uid": meta.get("uid", ""),
                 "resourceVersion": meta.get("resourceVersion", ""),
             },
@@ -251,4 +252,4 @@ class KubeClient:
             "lastTimestamp": stamp,
             "count": 1,
         }
-        await self._send("POST", RESOURCES["Event"].path(event["metadata"]["namespace"]), body=event)
+        await self._send("POST", RESOURCES["Event"].path(namespace), body=event)

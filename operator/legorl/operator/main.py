@@ -30,7 +30,6 @@ def kopf_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
     config.posting.level = logging.WARNING
     config.watching.server_timeout = settings.watch_timeout_seconds
     config.watching.client_timeout = settings.watch_timeout_seconds + 60
-    config.batching.idle_timeout = 1.0
     if settings.peering is not None:
         config.peering.name = settings.peering
         config.peering.mandatory = True

@@ -9,6 +9,7 @@ from typing import Any
 
 from legorl.operator.render.common import HASH_ANNOTATION, OWNER_LABEL, POLICY_VERSION_ANNOTATION
 
+MAX_VERSION = 63
 PULL_FAILURES = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
 CRASH_REASONS = frozenset({"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError"})
 
@@ -63,6 +64,7 @@ class ChildView:
     status: Mapping[str, Any] = field(default_factory=dict)
     """For custom resources: the status."""
     annotations: Mapping[str, str] = field(default_factory=dict)
+    """Its `legorl.dev/*` annotations (a pre-pull DaemonSet's `legorl.dev/images`)."""
 
 
 def owner_of(body: Mapping[str, Any]) -> str | None:
@@ -88,13 +90,21 @@ def _container_state(status: Mapping[str, Any], init: bool) -> ContainerState:
         wait = state["waiting"]
         reason = wait.get("reason", "")
         last = (status.get("lastState") or {}).get("terminated") or {}
-        message = wait.get("message", "") or (
-            f"last exit: {last.get('reason', '')} ({last.get('exitCode')})" if last else ""
-        )
+        # The kubelet always explains a back-off ("back-off 5m0s restarting failed container=…"),
+        # so the last exit (OOMKilled, Error) is added to that message, not only used without one.
+        last_exit = f"last exit: {last.get('reason', '')} ({last.get('exitCode')})" if last else ""
+        if last.get("message"):
+            last_exit += f": {str(last['message']).strip()}"
+        message = "; ".join(m for m in (last_exit, wait.get("message", "")) if m)
         return ContainerState(name, image, "waiting", reason, message, restarts, ready)
     if "running" in state:
         return ContainerState(name, image, "running", "", "", restarts, ready)
     return ContainerState(name, image, "waiting", "", "", restarts, ready)
+
+
+def _policy_version(value: object) -> str | None:
+    """The annotation's version if it fits the status fields (≤ 63 characters), else None."""
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_VERSION else None
 
 
 def pod_view(body: Mapping[str, Any]) -> PodView:
@@ -115,7 +125,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         ready=ready,
         deleting=bool(meta.get("deletionTimestamp")),
         labels=dict(meta.get("labels") or {}),
-        policy_version=(meta.get("annotations") or {}).get(POLICY_VERSION_ANNOTATION),
+        policy_version=_policy_version((meta.get("annotations") or {}).get(POLICY_VERSION_ANNOTATION)),
         unschedulable=unschedulable,
         containers=tuple(_container_state(s, False) for s in status.get("containerStatuses") or []),
         init_containers=tuple(_container_state(s, True) for s in status.get("initContainerStatuses") or []),
@@ -163,7 +173,7 @@ def child_view(body: Mapping[str, Any]) -> ChildView:
         conditions=conditions,
         spec=dict(spec) if custom else {"suspend": spec.get("suspend")} if kind == "Job" else {},
         status=dict(status) if custom else {},
-        annotations={k: v for k, v in annotations.items() if k.startswith("legorl.dev/")} if custom else {},
+        annotations={k: v for k, v in annotations.items() if k.startswith("legorl.dev/")},
     )
 
 

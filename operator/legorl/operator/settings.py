@@ -36,12 +36,11 @@ class OperatorSettings:
 def from_environment(base: OperatorSettings, env: Mapping[str, str] | None = None) -> OperatorSettings:
     """`base` with image and store settings from the chart's `LEGORL_*` variables."""
     env = os.environ if env is None else env
-    images = base.images
-    overrides = {
-        "proxy": env.get("LEGORL_PROXY_IMAGE"),
-        "trainer": env.get("LEGORL_TRAINER_IMAGE"),
-        "sandbox_init": env.get("LEGORL_SANDBOX_INIT_IMAGE"),
-    }
-    images = replace(images, **{k: v for k, v in overrides.items() if v})
+    images = replace(
+        base.images,
+        proxy=env.get("LEGORL_PROXY_IMAGE") or base.images.proxy,
+        trainer=env.get("LEGORL_TRAINER_IMAGE") or base.images.trainer,
+        sandbox_init=env.get("LEGORL_SANDBOX_INIT_IMAGE") or base.images.sandbox_init,
+    )
     store = env.get("LEGORL_DEFAULT_STORE_URI") or base.default_store_uri
     return replace(base, images=images, default_store_uri=store)

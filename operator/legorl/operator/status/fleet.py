@@ -8,7 +8,7 @@ from datetime import datetime
 
 from legorl.api.conditions import FleetConditionType as T
 from legorl.api.conditions import FleetReason as R
-from legorl.api.conditions import find_condition
+from legorl.api.conditions import rfc3339
 from legorl.api.fleet import FleetEndpoint, RolloutFleetStatus
 from legorl.api.kinds import RolloutFleet
 from legorl.operator.observe import Observed, PodView
@@ -37,8 +37,10 @@ def _groups(fleet: RolloutFleet, pods: list[PodView]) -> dict[str, list[PodView]
 def _leader(fleet: RolloutFleet, group: list[PodView]) -> PodView | None:
     if fleet.spec.parallelism.nodes_per_replica == 1:
         return group[0]
+    # LeaderWorkerSet leaders are ordinal <group> of the leader StatefulSet (their pod-index is the
+    # group index), so its worker index decides; StatefulSet groups (no LWS labels) use the ordinal.
     return next(
-        (p for p in group if p.labels.get(STS_POD_INDEX, p.labels.get(LWS_WORKER_INDEX)) == "0"), None
+        (p for p in group if p.labels.get(LWS_WORKER_INDEX, p.labels.get(STS_POD_INDEX)) == "0"), None
     )
 
 
@@ -140,15 +142,14 @@ def _set_degraded(
     reps: _Replicas,
     pods: list[PodView],
     deadline: str | None,
+    skew_since: str | None,
     now: datetime,
 ) -> None:
     problems = [pp for p in pods if (pp := pod_problem(p)) is not None]
     skew_too_long = False
-    if len(reps.versions) > 1:
-        progressing = find_condition(conds.conditions, T.PROGRESSING)
-        if progressing is not None and progressing.reason == R.WEIGHT_SYNC_IN_PROGRESS:
-            since = datetime.fromisoformat(progressing.last_transition_time.replace("Z", "+00:00"))
-            skew_too_long = (now - since).total_seconds() > fleet.spec.weight_sync.timeout_seconds
+    if len(reps.versions) > 1 and skew_since is not None:
+        since = datetime.fromisoformat(skew_since.replace("Z", "+00:00"))
+        skew_too_long = (now - since).total_seconds() > fleet.spec.weight_sync.timeout_seconds
     kinds = {kind for kind, _ in problems}
     if "pull" in kinds:
         conds.set(T.DEGRADED, "True", R.IMAGE_PULL_FAILED, _first(problems, "pull"))
@@ -211,7 +212,9 @@ def compute_fleet_status(
             f"{fleet.spec.replicas} replica(s) run the current spec",
         )
     _set_ready(conds, fleet, reps, pods, rolling)
-    _set_degraded(conds, fleet=fleet, reps=reps, pods=pods, deadline=deadline, now=now)
+    # Skew is timed from when it began, not from Progressing's transition (which a rollout may own).
+    skew_since = (previous.version_skew_since or rfc3339(now)) if len(reps.versions) > 1 else None
+    _set_degraded(conds, fleet=fleet, reps=reps, pods=pods, deadline=deadline, skew_since=skew_since, now=now)
     return RolloutFleetStatus(
         observed_generation=generation,
         conditions=conds.conditions,
@@ -221,6 +224,7 @@ def compute_fleet_status(
         served_policy_version=next(iter(reps.versions)) if len(reps.versions) == 1 else None,
         endpoints=reps.endpoints[:1024],
         weights_owner=previous.weights_owner,
+        version_skew_since=skew_since,
     )
 
 

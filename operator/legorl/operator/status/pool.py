@@ -7,6 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from legorl.api._base import MAX_TEXT
 from legorl.api.conditions import PoolConditionType as T
 from legorl.api.conditions import PoolReason as R
 from legorl.api.kinds import SandboxPool
@@ -17,6 +18,8 @@ from legorl.operator.render.pool import PREPULL, WARM, desired_images, warm_sele
 from legorl.operator.status.common import ConditionSet, listing, pod_problem
 
 MAX_FAILURES_PER_NODE = 16
+NOT_RUNNABLE = frozenset({"CrashLoopBackOff", "RunContainerError", "StartError", "CreateContainerError"})
+"""Waiting reasons of a pre-pull container whose image was pulled but cannot start."""
 
 
 @dataclass
@@ -45,12 +48,25 @@ def _node_state(
         for status in pod.init_containers:
             index = int(status.name.removeprefix("pull-")) if status.name.startswith("pull-") else -1
             image = images[index] if 0 <= index < len(images) else status.image
-            if status.state in {"done", "running"} or (status.state == "failed" and status.reason != ""):
-                # The kubelet started the container, so the image is on the node.
-                pulled.add(image)
+            if status.state in {"done", "running"}:
+                pulled.add(image)  # the kubelet started the container, so the image is on the node
             elif status.reason in PULL_FAILURES:
                 failures.append(
-                    ImagePullFailure(image=image, reason=status.reason, message=status.message[:2000])
+                    ImagePullFailure(image=image, reason=status.reason, message=status.message[:MAX_TEXT])
+                )
+            elif status.state == "failed" or status.reason in NOT_RUNNABLE:
+                # Pulled, but `/bin/sh -c "exit 0"` cannot run in it (a distroless image): the
+                # init containers after it never start, so say so instead of pulling forever.
+                pulled.add(image)
+                failures.append(
+                    ImagePullFailure(
+                        image=image,
+                        reason=status.reason or "PrePullCommandFailed",
+                        message=(
+                            "the image is on the node, but its pre-pull container cannot run /bin/sh; "
+                            f"later images of this DaemonSet are not pulled. {status.message}"
+                        )[:MAX_TEXT],
+                    )
                 )
     return pulled, failures
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
+from legorl.api._base import MAX_TEXT
 from legorl.api.common import Condition
 from legorl.api.conditions import RunConditionType as T
 from legorl.api.conditions import RunReason as R
@@ -64,7 +65,7 @@ def _preflight_results(problems: Sequence[Problem]) -> list[PreflightResult]:
         PreflightResult(
             check=p.check[:63],
             result="Failed" if p.severity == "error" else "Warning",
-            message=f"{p.path}: {p.message}" if p.path else p.message,
+            message=(f"{p.path}: {p.message}" if p.path else p.message)[:MAX_TEXT],
         )
         for p in problems
     ]
@@ -94,7 +95,7 @@ def compute_run_status(
         reason = R.REFERENCE_NOT_FOUND if all(p.check == "reference" for p in errors) else R.PREFLIGHT_FAILED
         if any(p.check in {"schema", "cel"} for p in errors):
             reason = R.INVALID_SPEC
-        text = listing([f"{p.path}: {p.message}" if p.path else p.message for p in errors], 3)
+        text = listing([f"{p.path}: {p.message}" if p.path else p.message for p in errors], 3).rstrip(".")
         conds.set(T.VALIDATED, "False", reason, f"{text}. Nothing was started; fix the spec and re-apply.")
     else:
         warnings = [p for p in problems if p.severity == "warning"]
@@ -166,7 +167,7 @@ def compute_run_status(
         # Initialised here; the run controller owns it (fidelity, infra failure rate, staleness).
         conds.set(T.DEGRADED, "False", R.AS_EXPECTED, "")
 
-    phase, reason = rlrun_phase(conds.conditions, run.spec.suspend)
+    phase, phase_reason = rlrun_phase(conds.conditions, run.spec.suspend)
     completion = previous.completion_time or (rfc3339(now) if terminal else None)
     served = fleet.status.served_policy_version if fleet is not None and fleet.status else None
     return previous.model_copy(
@@ -174,7 +175,7 @@ def compute_run_status(
             "observed_generation": generation,
             "conditions": conds.conditions,
             "phase": phase.value,
-            "reason": reason,
+            "reason": phase_reason,
             "policy_version": served or previous.policy_version,
             "start_time": start_time,
             "completion_time": completion,
