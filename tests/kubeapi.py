@@ -1322,6 +1322,12 @@ class MockApi:
         fault = _Fault(verb.upper(), plural, name, subresource, status, count)
         self._loop_call(lambda: emulator._faults.append(fault))
 
+    def clear_errors(self) -> None:
+        """Drop every injected error that has not fired yet (the API server recovers)."""
+        emulator = self._emulator
+        assert emulator is not None
+        self._loop_call(emulator._faults.clear)
+
     def _loop_call(self, fn: Callable[[], object]) -> None:
         assert self._loop is not None
 

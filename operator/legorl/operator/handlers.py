@@ -76,10 +76,12 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry)
     async def start(memo: Any, **_: Any) -> None:
+        memo["stopping"] = asyncio.Event()
         memo["loop"] = asyncio.get_running_loop().create_task(_resync_loop(_reconciler(memo)))
 
     @kopf.on.cleanup(registry=registry)
     async def stop(memo: Any, **_: Any) -> None:
+        memo["stopping"].set()
         task = memo.get("loop")
         if task is not None:
             task.cancel()
@@ -104,16 +106,30 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
     for kind in CUSTOM_KINDS:
         _register_custom(registry, kind)
 
-    @kopf.daemon(API_GROUP, API_VERSION, "rlruns", registry=registry, cancellation_timeout=10.0)
+    @kopf.daemon(API_GROUP, API_VERSION, "rlruns", registry=registry)
     async def run_controller(
-        stopped: kopf.DaemonStopped, name: str, logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any
+        stopped: kopf.DaemonStopped,
+        name: str,
+        memo: Any,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        **_: Any,
     ) -> None:
         """The run controller's place: the RL loop of one RLRun runs here once it exists.
 
         Until then the run's status says `Training=False, reason=ControllerPending`.
         """
         logger.debug("no run controller in this build for RLRun %s; its status says ControllerPending", name)
-        await stopped.wait()
+        # Wait for this daemon's stop, or the operator's: kopf may respawn a daemon for a late event
+        # while shutting down, and that one would otherwise sit until kopf cancels it.
+        waits = [
+            asyncio.ensure_future(stopped.wait()),
+            asyncio.ensure_future(memo["stopping"].wait()),
+        ]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
 
     return registry
 

@@ -32,7 +32,7 @@ from legorl.operator.render.run import fleet_name, pool_name, render_run, store_
 from legorl.operator.settings import OperatorSettings
 from legorl.operator.status.fleet import compute_fleet_status
 from legorl.operator.status.pool import compute_pool_status
-from legorl.operator.status.run import compute_run_status, is_terminal
+from legorl.operator.status.run import compute_run_status, deadline, is_terminal
 from legorl.operator.store import ObjectKey, Store
 
 log = logging.getLogger("legorl.operator")
@@ -79,6 +79,8 @@ class Reconciler:
     """When each object last had every child applied regardless of hashes (drift repair)."""
     locks: dict[ObjectKey, asyncio.Lock] = field(default_factory=dict)
     task_sets: dict[tuple[str, str], tuple[float, list[str], bool]] = field(default_factory=dict)
+    wakeups: dict[ObjectKey, asyncio.TimerHandle] = field(default_factory=dict)
+    """Pending reconciles at a run's deadline."""
     discovered: bool = False
     """Whether optional APIs (LeaderWorkerSet) have been looked up since login."""
 
@@ -399,6 +401,18 @@ class Reconciler:
                 port = run.spec.fleet.port if run.spec.fleet is not None else 8000
             await self._sync_children(key, render_run(rendered, self.ctx, port), observed)
         await self._write_status(body, status.to_wire())
+        self._wake_at_deadline(key, run.model_copy(update={"status": status}), terminal)
+
+    def _wake_at_deadline(self, key: ObjectKey, run: RLRun, terminal: bool) -> None:
+        """Reconcile again the moment activeDeadlineSeconds runs out (no waiting for a resync)."""
+        handle = self.wakeups.pop(key, None)
+        if handle is not None:
+            handle.cancel()
+        end = deadline(run)
+        if terminal or end is None:
+            return
+        delay = max(0.0, (end - self.clock()).total_seconds()) + 0.05
+        self.wakeups[key] = asyncio.get_running_loop().call_later(delay, self.store.mark, key)
 
     async def _write_invalid(self, body: dict[str, Any], type_: str, message: str) -> None:
         now = self.clock()

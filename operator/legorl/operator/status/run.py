@@ -31,11 +31,17 @@ def _parse(ts: str) -> datetime:
     return datetime.fromisoformat(ts.replace("Z", "+00:00"))
 
 
-def deadline_passed(run: RLRun, now: datetime) -> bool:
-    """Whether spec.activeDeadlineSeconds has run out since the run started."""
+def deadline(run: RLRun) -> datetime | None:
+    """When spec.activeDeadlineSeconds runs out (counted from status.startTime), if set."""
     start = run.status.start_time if run.status else None
     limit = run.spec.active_deadline_seconds
-    return bool(start and limit and now >= _parse(start) + timedelta(seconds=limit))
+    return _parse(start) + timedelta(seconds=limit) if start and limit else None
+
+
+def deadline_passed(run: RLRun, now: datetime) -> bool:
+    """Whether spec.activeDeadlineSeconds has run out since the run started."""
+    end = deadline(run)
+    return end is not None and now >= end
 
 
 def _dependency(
