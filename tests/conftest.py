@@ -40,3 +40,21 @@ def helm() -> str:
         if candidate and Path(candidate).is_file():
             return candidate
     pytest.fail("helm not found: run `bash scripts/get-helm.sh .cache/tools` (scripts/test.sh does)")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--with-cluster",
+        action="store_true",
+        default=False,
+        help="also run tests/test_cluster.py against the cluster in $KUBECONFIG (makes a namespace)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--with-cluster"):
+        return
+    skip = pytest.mark.skip(reason="needs a real cluster: pytest --with-cluster (uses $KUBECONFIG)")
+    for item in items:
+        if "cluster" in item.keywords:
+            item.add_marker(skip)

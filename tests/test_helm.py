@@ -27,7 +27,10 @@ VALUE_SETS: dict[str, list[str]] = {
     "ui": ["ui.enabled=true"],
     "watch-namespaces": ["watchNamespaces={a,b}"],
     "existing-service-account": ["serviceAccount.create=false", "serviceAccount.name=existing-sa"],
+    "peering": ["operator.peering.enabled=true", "operator.replicas=2"],
+    "peering-namespaces": ["operator.peering.enabled=true", "operator.replicas=2", "watchNamespaces={a,b}"],
 }
+KOPF_PEERING_CRDS = {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
 
 pytestmark = pytest.mark.helm
 
@@ -87,8 +90,11 @@ def test_lint_strict(helm: str, values: list[str]) -> None:
 def test_rendered_objects_validate(helm: str, values: list[str], k8s_version: str) -> None:
     docs = render(helm, values, include_crds=True)
     assert of_kind(docs, "Deployment"), "no Deployment rendered"
-    assert len(of_kind(docs, "CustomResourceDefinition")) == 3
+    assert len(of_kind(docs, "CustomResourceDefinition")) == 5
     for doc in docs:
+        if doc["apiVersion"] == "kopf.dev/v1":
+            assert set(doc) == {"apiVersion", "kind", "metadata"}  # peering objects carry no spec
+            continue
         try:
             kubernetes_validate.validate(doc, k8s_version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -113,6 +119,8 @@ def test_chart_crds_match_generated_crds(helm: str) -> None:
     chart_crds = {path.name: path.read_bytes() for path in sorted((CHART / "crds").glob("*.yaml"))}
     repo_crds = {path.name: path.read_bytes() for path in sorted(CRDS.glob("*.yaml"))}
     assert repo_crds, "crds/ holds no CRDs"
+    # The chart also carries kopf's peering CRDs (for operator.peering); the rest are ours.
+    assert chart_crds.pop("kopf.dev_peerings.yaml")
     assert chart_crds.keys() == repo_crds.keys(), "charts/legorl/crds and crds/ hold different files"
     for name, content in repo_crds.items():
         assert chart_crds[name] == content, f"charts/legorl/crds/{name} differs from crds/{name}"
@@ -125,8 +133,8 @@ def test_chart_crds_match_generated_crds(helm: str) -> None:
     for content in repo_crds.values():
         crd = yaml.safe_load(content)
         expected[crd["metadata"]["name"]] = crd
-    assert rendered == expected
-    assert set(rendered) == {f"{plural}.legorl.dev" for plural in CUSTOM_RESOURCES}
+    assert {k: v for k, v in rendered.items() if k not in KOPF_PEERING_CRDS} == expected
+    assert set(rendered) == {f"{plural}.legorl.dev" for plural in CUSTOM_RESOURCES} | KOPF_PEERING_CRDS
 
 
 # --- RBAC -----------------------------------------------------------------------------------------
@@ -288,3 +296,44 @@ def test_schema_rejects_bad_values(helm: str, value: str, key: str) -> None:
     result = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--set", value)
     assert result.returncode != 0, f"helm template accepted --set {value}"
     assert key in result.stderr, f"the error for --set {value} does not name {key!r}:\n{result.stderr}"
+
+
+# --- replicas and peering ---------------------------------------------------------------------------
+
+
+def test_one_standalone_replica_by_default(helm: str) -> None:
+    docs = render(helm)
+    deploy = named(docs, "Deployment", OPERATOR_ROLE)
+    assert deploy["spec"]["replicas"] == 1
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert not any(
+        a.startswith("--peering") for a in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    assert not of_kind(docs, "ClusterKopfPeering")
+
+
+def test_replicas_without_peering_are_refused(helm: str) -> None:
+    result = run_helm(helm, "template", RELEASE, str(CHART), "--set", "operator.replicas=2")
+    assert result.returncode != 0
+    assert "operator.replicas > 1 needs operator.peering.enabled=true" in result.stderr
+
+
+def test_peering_runs_several_replicas_with_one_active(helm: str) -> None:
+    docs = render(helm, VALUE_SETS["peering"])
+    deploy = named(docs, "Deployment", OPERATOR_ROLE)
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"] == {"type": "RollingUpdate"}
+    assert f"--peering={FULLNAME}" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    named(docs, "ClusterKopfPeering", FULLNAME)
+    verbs = {
+        (res, verb)
+        for _, rule in rules(docs)
+        if "kopf.dev" in rule["apiGroups"]
+        for res in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert ("clusterkopfpeerings", "patch") in verbs
+
+    scoped = render(helm, VALUE_SETS["peering-namespaces"])
+    assert sorted(p["metadata"]["namespace"] for p in of_kind(scoped, "KopfPeering")) == ["a", "b"]
+    assert not of_kind(scoped, "ClusterKopfPeering")

@@ -227,7 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--health-port", type=int, default=8080, help="port of /healthz (default 8080)")
     p.add_argument(
-        "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level"
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="log level (any case)",
     )
     p.add_argument(
         "--peering",
