@@ -8,6 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
+
+from legorl.cli.main import build_parser
+from legorl.operator.settings import OperatorSettings, from_environment
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.yaml"))
 
@@ -224,3 +228,52 @@ def test_integer_map_keys_are_not_list_indexes(run_cli: Cli, tmp_path: Path) -> 
     code, out, _ = run_cli("validate", str(manifest))
     assert code == 1
     assert "error: spec.trainer.resources.limits.1: must be a string" in out, out
+
+
+def test_render_multi_node_fleet_with_and_without_leader_worker_set(run_cli: Cli, repo: Path) -> None:
+    path = str(repo / "tests/golden/inputs/fleet-multinode.yaml")
+    code, out, err = run_cli("render", path)
+    assert code == 0, err
+    kinds = [doc["kind"] for doc in yaml.safe_load_all(out) if doc]
+    assert kinds.count("StatefulSet") == 2 and "LeaderWorkerSet" not in kinds
+    code, out, err = run_cli("render", "--leader-worker-set", "-n", "ml", path)
+    assert code == 0, err
+    docs = [doc for doc in yaml.safe_load_all(out) if doc]
+    assert [d["kind"] for d in docs].count("LeaderWorkerSet") == 1
+    # The input sets its namespace; -n only fills in namespaces that are missing.
+    assert {d["metadata"]["namespace"] for d in docs if d["kind"] != "RolloutFleet"} == {"research"}
+
+
+def test_operator_command_parses_the_charts_arguments() -> None:
+    args = build_parser().parse_args(
+        [
+            "operator",
+            "--health-port=8080",
+            "--log-level=info",
+            "--namespace=a",
+            "--namespace=b",
+            "--peering=legorl",
+        ]
+    )
+    assert (args.log_level, args.namespace, args.peering, args.health_port) == (
+        "INFO",
+        ["a", "b"],
+        "legorl",
+        8080,
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["operator", "--log-level=verbose"])
+
+
+def test_operator_settings_take_images_and_store_from_the_chart_environment() -> None:
+    settings = from_environment(
+        OperatorSettings(),
+        {
+            "LEGORL_PROXY_IMAGE": "r/proxy:2",
+            "LEGORL_DEFAULT_STORE_URI": "s3://b/runs",
+            "LEGORL_TRAINER_IMAGE": "",
+        },
+    )
+    assert settings.images.proxy == "r/proxy:2"
+    assert settings.images.trainer == OperatorSettings().images.trainer  # empty keeps the default
+    assert settings.default_store_uri == "s3://b/runs"
