@@ -25,6 +25,7 @@ from legorl.manifests.preflight import check_resource, check_run_against_fleet
 from legorl.manifests.problems import Problem
 from legorl.operator.kube import ApiError, KubeClient
 from legorl.operator.observe import Observed
+from legorl.operator.patch import apply_merge_patch, merge_patch
 from legorl.operator.render.common import RenderContext, owner_key
 from legorl.operator.render.fleet import LWS_API, RenderError, model_location, render_fleet
 from legorl.operator.render.pool import pod_template_hash, render_pool
@@ -182,12 +183,15 @@ class Reconciler:
 
     # --- status ---------------------------------------------------------------------------
     async def _write_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+        """Patch `.status` to `status` (a minimal merge patch, nulls for what went away); no
+        request at all when nothing changed."""
         old = body.get("status") or {}
-        if _comparable(old) == _comparable(status):
+        patch = merge_patch(old, status)
+        if not patch:
             return
         meta = body["metadata"]
-        await self.client.patch_status(body["kind"], meta.get("namespace", "default"), meta["name"], status)
-        body["status"] = status  # what the watch will show; avoids a second patch meanwhile
+        await self.client.patch_status(body["kind"], meta.get("namespace", "default"), meta["name"], patch)
+        body["status"] = apply_merge_patch(old, patch)  # what the watch will show; no second patch meanwhile
         await self._post_transitions(body, old.get("conditions") or [], status.get("conditions") or [])
 
     async def _post_transitions(
@@ -228,10 +232,11 @@ class Reconciler:
         try:
             desired = render_fleet(fleet, self.ctx)
         except RenderError as exc:
-            desired, error = [], str(exc)
-        errors = await self._sync_children(key, desired, observed)
-        if errors and error is None:
-            error = "the API server refused children: " + "; ".join(errors)
+            error = str(exc)  # keep what runs: a fixed spec picks up from there
+        else:
+            errors = await self._sync_children(key, desired, observed)
+            if errors:
+                error = "the API server refused children: " + "; ".join(errors)
         status = compute_fleet_status(fleet, observed, self.clock(), render_error=error)
         await self._write_status(body, status.to_wire())
 
@@ -432,7 +437,3 @@ class Reconciler:
         if body["kind"] == "RLRun":
             status["phase"], status["reason"] = "Invalid", "InvalidSpec"
         await self._write_status(body, status)
-
-
-def _comparable(status: dict[str, Any]) -> str:
-    return json.dumps(status, sort_keys=True, default=str)
