@@ -709,3 +709,14 @@ def test_transient_api_errors_are_retried(env_factory: Any) -> None:
     env.mock.create(manifests("shared-fleet-and-pool.yaml")[0])
     env.handle.wait_for(lambda: env.get("deployments", "coder-fleet-engine", "apps/v1"), timeout=TIMEOUT)
     env.wait_condition("rolloutfleets", "coder-fleet", "Ready", "False", "ReplicasNotReady")
+
+
+def test_children_the_api_server_refuses_are_reported_on_the_owner(env_factory: Any) -> None:
+    env: Env = env_factory(fail_on_errors=False)  # the operator logs the refusal as an error too
+    # E.g. an admission policy that forbids DaemonSets in this namespace.
+    env.mock.inject_error("PATCH", "daemonsets", status=422, count=100_000)
+    env.mock.create(manifests("shared-fleet-and-pool.yaml")[1])
+    ready = env.wait_condition("sandboxpools", "python-repos", "Ready", "False", "InvalidSpec")
+    assert ready["message"].startswith("the API server refused objects rendered from this spec: DaemonSet")
+    # What the API server accepted was still applied.
+    env.handle.wait_for(lambda: env.get("networkpolicies", "python-repos-sandbox", "networking.k8s.io/v1"))

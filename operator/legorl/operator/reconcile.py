@@ -262,10 +262,11 @@ class Reconciler:
             task_set_images=images,
             pod_template_hash=pod_template_hash(pool, self.ctx),
         )
-        wire = status.to_wire()
         if errors:
-            log.error("pool %s/%s: the API server refused children: %s", ns, name, errors)
-        await self._write_status(body, wire)
+            status = status.model_copy(
+                update={"conditions": self._refused(status.conditions, "Ready", errors, pool)}
+            )
+        await self._write_status(body, status.to_wire())
 
     async def task_set_images(self, namespace: str, uri: str) -> tuple[list[str], bool]:
         """(images named by a `configmap://name/key` task set, whether it was found).
@@ -404,9 +405,28 @@ class Reconciler:
                 port = fleet.spec.port
             else:
                 port = run.spec.fleet.port if run.spec.fleet is not None else 8000
-            await self._sync_children(key, render_run(rendered, self.ctx, port), observed)
+            refused = await self._sync_children(key, render_run(rendered, self.ctx, port), observed)
+            if refused:
+                status = status.model_copy(
+                    update={"conditions": self._refused(status.conditions, "Validated", refused, run)}
+                )
         await self._write_status(body, status.to_wire())
         self._wake_at_deadline(key, run.model_copy(update={"status": status}), terminal)
+
+    def _refused(
+        self, conditions: list[Condition], type_: str, errors: list[str], res: SandboxPool | RLRun
+    ) -> list[Condition]:
+        """`type_` set False/InvalidSpec with what the API server said about the children."""
+        log.error("%s %s: the API server refused children: %s", res.kind, res.metadata.name, errors)
+        return set_condition(
+            conditions,
+            type_=type_,
+            status="False",
+            reason="InvalidSpec",
+            message="the API server refused objects rendered from this spec: " + "; ".join(errors),
+            generation=res.metadata.generation or 0,
+            now=self.clock(),
+        )
 
     def _wake_at_deadline(self, key: ObjectKey, run: RLRun, terminal: bool) -> None:
         """Reconcile again the moment activeDeadlineSeconds runs out (no waiting for a resync)."""
