@@ -172,7 +172,7 @@ def test_generated_files_are_committed_and_current(repo: Path) -> None:
     assert stale_files(repo) == [], "run `legorl crds` and commit the result"
     for rel in generated_files():
         if rel.endswith(".yaml"):
-            assert yaml.safe_load((repo / rel).read_text()) is not None
+            assert all(doc is not None for doc in yaml.safe_load_all((repo / rel).read_text())), rel
 
 
 def test_crds_check_fails_after_a_model_change_without_regeneration(repo: Path, tmp_path: Path) -> None:
