@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -277,3 +278,20 @@ def test_operator_settings_take_images_and_store_from_the_chart_environment() ->
     assert settings.images.proxy == "r/proxy:2"
     assert settings.images.trainer == OperatorSettings().images.trainer  # empty keeps the default
     assert settings.default_store_uri == "s3://b/runs"
+
+
+def test_operator_json_logs_are_one_object_per_line() -> None:
+    from legorl.operator.logs import JsonFormatter  # noqa: PLC0415
+
+    record = logging.LogRecord("kopf.objects", logging.WARNING, __file__, 1, "retrying %s", ("x",), None)
+    record.k8s_ref = {"apiVersion": "legorl.dev/v1alpha1", "kind": "RLRun", "namespace": "rl", "name": "r1"}
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    data = json.loads(line)
+    assert (data["level"], data["logger"], data["message"]) == ("warning", "kopf.objects", "retrying x")
+    assert data["object"] == {
+        "apiVersion": "legorl.dev/v1alpha1",
+        "kind": "RLRun",
+        "namespace": "rl",
+        "name": "r1",
+    }

@@ -90,6 +90,13 @@ def test_base_is_clean() -> None:
             "spec.harness.command",
             "{prompt}",
         ),
+        (
+            "    kind: MiniSweAgent",
+            "    kind: Custom\n    apiFormat: OpenAIChatCompletions\n    command: [my-agent, '{prompt}']",
+            "error",
+            "spec.harness.image",
+            "kind Custom needs harness.image",
+        ),
     ],
 )
 def test_check_fires(old: str, new: str, severity: str, path: str, words: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,11 +112,10 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"the operator needs its extra: pip install 'legorl[operator]' ({exc})", file=sys.stderr)
         return EXIT_USAGE
+    from legorl.operator.logs import configure  # noqa: PLC0415
     from legorl.operator.settings import OperatorSettings, from_environment  # noqa: PLC0415
 
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    configure(args.log_level, args.log_format)
     settings = from_environment(
         OperatorSettings(
             namespaces=tuple(args.namespace),
@@ -232,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=str.upper,
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         help="log level (any case)",
+    )
+    p.add_argument(
+        "--log-format", default="text", choices=("text", "json"), help="log lines for people or pipelines"
     )
     p.add_argument(
         "--peering",

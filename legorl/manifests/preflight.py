@@ -127,6 +127,14 @@ def check_run_settings(res: Resource) -> Iterator[Problem]:
             f"maxSteps {max_steps}; only the start and the end are scored",
             "preflight",
         )
+    if spec.harness.kind == "Custom" and spec.harness.image is None:
+        yield Problem(
+            "error",
+            "spec.harness.image",
+            "kind Custom needs harness.image: the image whose runtime is copied into the sandbox "
+            "(legorl ships images only for the harnesses it knows)",
+            "preflight",
+        )
     if (
         spec.harness.kind == "Custom"
         and spec.harness.command

@@ -24,6 +24,7 @@ from legorl.operator.render.common import (
     short_hash,
     with_hash,
 )
+from legorl.operator.render.fleet import RenderError
 
 APP = "legorl-sandbox"
 PREPULL = "prepull"
@@ -142,8 +143,11 @@ class TrialContext:
 
 
 def harness_image(harness: Harness, ctx: RenderContext) -> str:
+    """The image the harness runtime is copied from: the spec's, else legorl's for that kind."""
     if harness.image is not None:
         return harness.image.image
+    if harness.kind not in ctx.images.harness:
+        raise RenderError("spec.harness.image", f"kind {harness.kind} needs harness.image")
     return ctx.images.harness[harness.kind]
 
 
