@@ -720,3 +720,14 @@ def test_children_the_api_server_refuses_are_reported_on_the_owner(env_factory: 
     assert ready["message"].startswith("the API server refused objects rendered from this spec: DaemonSet")
     # What the API server accepted was still applied.
     env.handle.wait_for(lambda: env.get("networkpolicies", "python-repos-sandbox", "networking.k8s.io/v1"))
+
+
+def test_a_refused_trainer_job_invalidates_the_run(env_factory: Any) -> None:
+    env: Env = env_factory(fail_on_errors=False)
+    env.mock.inject_error("PATCH", "jobs", status=403, count=100_000)  # e.g. a quota or policy
+    fleet, pool, train, _ = manifests("shared-fleet-and-pool.yaml")
+    for doc in (fleet, pool, train):
+        env.mock.create(doc)
+    validated = env.wait_condition("rlruns", "coder-grpo", "Validated", "False", "InvalidSpec")
+    assert "Job coder-grpo-trainer" in validated["message"]
+    env.handle.wait_for(lambda: env.get("rlruns", "coder-grpo")["status"]["phase"] == "Invalid")

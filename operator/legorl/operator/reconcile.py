@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from legorl.api.common import Condition
-from legorl.api.conditions import set_condition
+from legorl.api.conditions import rlrun_phase, set_condition
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
 from legorl.manifests.preflight import check_resource, check_run_against_fleet
 from legorl.manifests.problems import Problem
@@ -407,8 +407,10 @@ class Reconciler:
                 port = run.spec.fleet.port if run.spec.fleet is not None else 8000
             refused = await self._sync_children(key, render_run(rendered, self.ctx, port), observed)
             if refused:
+                conditions = self._refused(status.conditions, "Validated", refused, run)
+                phase, reason = rlrun_phase(conditions, run.spec.suspend)
                 status = status.model_copy(
-                    update={"conditions": self._refused(status.conditions, "Validated", refused, run)}
+                    update={"conditions": conditions, "phase": phase.value, "reason": reason}
                 )
         await self._write_status(body, status.to_wire())
         self._wake_at_deadline(key, run.model_copy(update={"status": status}), terminal)
