@@ -475,18 +475,13 @@ class _Emulator(kmock.KubernetesEmulator):
             subresource=m["sub"],
             raw_request=raw_request,
         )
-        if self.record_requests:
-            self._requests.append(request)
+        self._requests.append(request)  # kmock serves only requests it holds; _handle forgets it after
         return await self._handle(request)
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         verb = "WATCH" if request.action == kmock.action.WATCH else str(request.method.value).upper()
         with self._stats_lock:
             self.request_log.append((verb, request.url.path, request.url.query_string))
-        if not self.record_requests:  # kmock keeps every request (with its aiohttp request) otherwise
-            self._requests.clear()
-            for payload in self._payloads:
-                getattr(payload, "_requests", []).clear()
         try:
             self._check_faults(verb, request)
             # Skip KubernetesEmulator._handle (it changes objects before the reactions run): the fallbacks
@@ -494,6 +489,16 @@ class _Emulator(kmock.KubernetesEmulator):
             return await kmock.RawHandler._handle(self, request)
         except ApiError as e:
             return aiohttp.web.json_response(e.status(), status=e.code)
+        finally:
+            if not self.record_requests:
+                # kmock keeps every request (with its aiohttp request) to serve it; forget each one
+                # once served, or long runs hold them all. (Clearing before serving made kmock
+                # find no request to serve: every answer was a 500.)
+                with contextlib.suppress(ValueError):
+                    self._requests.remove(request)
+                for payload in self._payloads:
+                    with contextlib.suppress(ValueError, AttributeError):
+                        payload._requests.remove(request)
 
     def _check_faults(self, verb: str, request: kmock.Request) -> None:
         for fault in self._faults:

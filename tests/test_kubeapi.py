@@ -320,3 +320,19 @@ def test_kopf_failures_are_retried_and_surfaced(mock: MockApi) -> None:
         operator.wait_for(lambda: mock.get("v1", "configmaps", "default", "fleet-c-child"))
     assert calls.count(("create", "fleet-c")) == 2  # failed once, retried after the handler's backoff
     assert any("500" in message for message in operator.errors)
+
+
+def test_a_mock_that_keeps_no_requests_still_answers_them() -> None:
+    """Benchmarks run with record_requests=False so long runs do not keep every request."""
+    import httpx  # noqa: PLC0415
+
+    with MockApi(record_requests=False) as mock, httpx.Client(base_url=mock.url) as http:
+        body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"k": "v"}}
+        for _ in range(3):
+            http.post("/api/v1/namespaces/default/configmaps", json=body)
+            got = http.get("/api/v1/namespaces/default/configmaps/c")
+            assert got.status_code == 200, got.text
+            assert got.json()["data"] == {"k": "v"}
+        assert http.get("/api/v1/namespaces").status_code == 200
+        assert len(mock.emulator._requests) == 0
+        assert mock.request_count == 7

@@ -1,4 +1,5 @@
-"""Kopf glue: watch streams feed the store; create/update/resume reconcile at once; a
+"""Kopf glue: watch streams feed the store (async handlers: they run on the event loop, never in
+kopf's thread pool, so the store needs no locks); create/update/resume reconcile at once; a
 background loop reconciles whatever changed; a daemon per RLRun holds the run controller's place.
 
 Handlers stay short: the work is in `reconcile.Reconciler`.
@@ -94,13 +95,13 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
         group, version, plural = _group_version(kind)
 
         @kopf.on.event(group, version, plural, labels=MANAGED, registry=registry, id=f"watch-{plural}")
-        def child_event(event: kopf.RawEvent, namespace: str | None, memo: Any, **_: Any) -> None:
+        async def child_event(event: kopf.RawEvent, namespace: str | None, memo: Any, **_: Any) -> None:
             _reconciler(memo).store.child_event(
                 namespace or "", event["object"], event.get("type") == "DELETED"
             )
 
     @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry, id="watch-pods")
-    def pod_event(event: kopf.RawEvent, namespace: str | None, memo: Any, **_: Any) -> None:
+    async def pod_event(event: kopf.RawEvent, namespace: str | None, memo: Any, **_: Any) -> None:
         _reconciler(memo).store.pod_event(namespace or "", event["object"], event.get("type") == "DELETED")
 
     for kind in CUSTOM_KINDS:
@@ -138,7 +139,7 @@ def _register_custom(registry: kopf.OperatorRegistry, kind: str) -> None:
     plural = RESOURCES[kind].plural
 
     @kopf.on.event(API_GROUP, API_VERSION, plural, registry=registry, id=f"watch-{plural}")
-    def object_event(event: kopf.RawEvent, namespace: str | None, memo: Any, **_: Any) -> None:
+    async def object_event(event: kopf.RawEvent, namespace: str | None, memo: Any, **_: Any) -> None:
         _reconciler(memo).store.object_event(
             kind, namespace or "", event["object"], event.get("type") == "DELETED"
         )

@@ -138,12 +138,16 @@ def _tls(creds: Credentials) -> ssl.SSLContext | bool:
 class KubeClient:
     """The operator's API client (async, one connection pool, counted requests)."""
 
-    def __init__(self, creds: Credentials, *, timeout: float = 30.0) -> None:
+    def __init__(self, creds: Credentials, *, timeout: float = 30.0, max_connections: int = 32) -> None:
         headers = {"Accept": "application/json", "User-Agent": "legorl-operator"}
         if creds.token:
             headers["Authorization"] = f"Bearer {creds.token}"
         self._http = httpx.AsyncClient(
-            base_url=creds.server.rstrip("/"), headers=headers, verify=_tls(creds), timeout=timeout
+            base_url=creds.server.rstrip("/"),
+            headers=headers,
+            verify=_tls(creds),
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
         self.requests: Counter[str] = Counter()
 

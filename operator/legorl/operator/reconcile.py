@@ -49,6 +49,8 @@ WARNING_WHEN = {
 """Condition (type, status) pairs whose transitions are posted as Warning events."""
 QUIET_REASONS = {"ScaledToZero", "PullInProgress", "RolloutInProgress", "ModelLoading", "PrePullDisabled"}
 """Transitions into these are posted as Normal events: they are expected, not problems."""
+QUIET_AT_START = {"Degraded", "Failed", "Succeeded"}
+"""Conditions whose first appearance as False is not posted as an Event."""
 APPLY_GRACE_SECONDS = 10.0
 """After applying a child, wait this long for the watch to show it before re-applying it."""
 
@@ -84,6 +86,8 @@ class Reconciler:
     """Pending reconciles at a run's deadline."""
     discovered: bool = False
     """Whether optional APIs (LeaderWorkerSet) have been looked up since login."""
+    _slots: asyncio.Semaphore | None = None
+    _discovery: asyncio.Lock | None = None
 
     @property
     def client(self) -> KubeClient:
@@ -97,8 +101,12 @@ class Reconciler:
         """Reconcile one custom resource from the store (no-op if it is gone or going)."""
         if not self.discovered:
             await self._discover()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.settings.concurrency)
         lock = self.locks.setdefault(key, asyncio.Lock())
-        async with lock:
+        # At most `concurrency` reconciles at once, whoever asks (kopf's handlers on a mass create
+        # or a restart, the resync loop): an unbounded burst only queues inside the HTTP pool.
+        async with lock, self._slots:
             body = self.store.objects.get(key)
             if body is None or body.get("metadata", {}).get("deletionTimestamp"):
                 return
@@ -116,12 +124,17 @@ class Reconciler:
                 raise
 
     async def _discover(self) -> None:
-        try:
-            lws = await self.client.api_available(LWS_API)
-        except (ApiError, OSError) as exc:
-            raise TransientError(f"API discovery failed: {exc}") from exc
-        self.ctx = replace(self.ctx, lws_available=lws)
-        self.discovered = True
+        if self._discovery is None:
+            self._discovery = asyncio.Lock()
+        async with self._discovery:
+            if self.discovered:
+                return
+            try:
+                lws = await self.client.api_available(LWS_API)
+            except (ApiError, OSError) as exc:
+                raise TransientError(f"API discovery failed: {exc}") from exc
+            self.ctx = replace(self.ctx, lws_available=lws)
+            self.discovered = True
         log.info(
             "LeaderWorkerSet API %s", "found" if lws else "absent: multi-node fleets use StatefulSet groups"
         )
@@ -131,17 +144,15 @@ class Reconciler:
         keys = self.store.take_dirty()
         if not keys:
             return 0
-        semaphore = asyncio.Semaphore(self.settings.concurrency)
 
         async def one(key: ObjectKey) -> None:
-            async with semaphore:
-                try:
-                    await self.reconcile(key)
-                except TransientError as exc:
-                    log.warning("retrying %s/%s %s: %s", key[1], key[2], key[0], exc)
-                    self.store.dirty.add(key)
-                except ApiError as exc:
-                    log.error("reconcile of %s %s/%s failed: %s", key[0], key[1], key[2], exc)
+            try:
+                await self.reconcile(key)
+            except TransientError as exc:
+                log.warning("retrying %s/%s %s: %s", key[1], key[2], key[0], exc)
+                self.store.dirty.add(key)
+            except ApiError as exc:
+                log.error("reconcile of %s %s/%s failed: %s", key[0], key[1], key[2], exc)
 
         await asyncio.gather(*(one(k) for k in keys))
         return len(keys)
@@ -201,8 +212,8 @@ class Reconciler:
         for cond in after:
             if old.get(cond["type"]) == (cond["status"], cond["reason"]):
                 continue
-            if cond["type"] == "Degraded" and cond["status"] == "False" and cond["type"] not in old:
-                continue  # "nothing is wrong" at creation is not news
+            if cond["type"] not in old and cond["status"] == "False" and cond["type"] in QUIET_AT_START:
+                continue  # "nothing is wrong, nothing ended" at creation is not news
             warning = (cond["type"], cond["status"]) in WARNING_WHEN and cond["reason"] not in QUIET_REASONS
             message = f"{cond['type']}={cond['status']}" + (
                 f": {cond['message']}" if cond.get("message") else ""
