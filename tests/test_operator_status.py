@@ -20,7 +20,7 @@ from legorl.operator.render.common import HASH_ANNOTATION, POLICY_VERSION_ANNOTA
 from legorl.operator.render.fleet import APP as ENGINE_APP
 from legorl.operator.render.fleet import COMPONENT as ENGINE
 from legorl.operator.render.pool import APP as SANDBOX_APP
-from legorl.operator.render.pool import PREPULL, WARM
+from legorl.operator.render.pool import PREPULL, WARM, desired_images
 from legorl.operator.status.fleet import compute_fleet_status
 from legorl.operator.status.pool import compute_pool_status
 from legorl.operator.status.run import compute_run_status
@@ -1476,3 +1476,23 @@ def test_run_own_lease_and_evaluate_runs_share_a_leased_fleet() -> None:
         pool=_ready_pool(),
     )
     assert reasons(evaluate.conditions)["RolloutReady"] == ("True", "FleetReady")
+
+
+def test_pool_with_a_task_set_the_operator_does_not_read_waits_for_the_run_controller() -> None:
+    pool = make_pool(source={"taskSet": {"uri": "s3://datasets/swe-verified.jsonl"}})
+    status = _pool_status(pool)
+    images = cond(status.conditions, "ImagesCached")
+    assert (images.status, images.reason) == ("Unknown", "TaskSetImagesUnknown")
+    assert "s3://datasets/swe-verified.jsonl" in images.message
+    assert status.images_desired == 0
+    assert reasons(status.conditions)["Ready"] == ("True", "PoolReady")  # trials pull their own images
+    # The run controller read the manifest and named its images: they are pre-pulled like listed ones.
+    named = pool.model_copy(
+        update={
+            "metadata": pool.metadata.model_copy(
+                update={"annotations": {"legorl.dev/lookahead-images": json.dumps([DJANGO, SYMPY])}}
+            )
+        }
+    )
+    assert desired_images(named, []) == [DJANGO, SYMPY]
+    assert _pool_status(named).images_desired == 2

@@ -89,6 +89,11 @@ class PoolReason(DocumentedEnum):
     )
     ALL_IMAGES_CACHED = "AllImagesCached", "Every desired image is on every matching node."
     PULL_IN_PROGRESS = "PullInProgress", "Images are still being pulled onto nodes."
+    TASK_SET_IMAGES_UNKNOWN = (
+        "TaskSetImagesUnknown",
+        "The task set is in an object store or volume the operator does not read; its images are "
+        "cached once the run controller names them (the pool's legorl.dev/lookahead-images annotation).",
+    )
     PULL_FAILED = (
         "PullFailed",
         "At least one image failed to pull on at least one node; status.nodes says where.",

@@ -286,7 +286,7 @@ class Reconciler:
         images through the Lookahead annotation; the operator holds no store credentials.
         """
         if not uri.startswith("configmap://"):
-            return [], True
+            return [], True  # not the operator's to read (see render.pool.operator_reads_task_set)
         ref = uri.removeprefix("configmap://")
         cm_name, _, data_key = ref.partition("/")
         now = time.monotonic()

@@ -59,15 +59,29 @@ def lookahead_images(pool: SandboxPool) -> list[str]:
     return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
 
+def operator_reads_task_set(pool: SandboxPool) -> bool:
+    """Whether the operator itself reads the task set's image list (a `configmap://` manifest).
+
+    Object stores and volumes are read by the run controller, which holds their credentials and
+    names the images through the lookahead annotation.
+    """
+    source = pool.spec.source.task_set
+    return source is None or source.uri.startswith("configmap://")
+
+
 def desired_images(pool: SandboxPool, task_set_images: list[str]) -> list[str]:
-    """Distinct images to cache on every matching node, in a stable order."""
+    """Distinct images to cache on every matching node, in a stable order.
+
+    `All`: the listed images, the task set's (when the operator reads it) and every image the run
+    controller named in the annotation; `Lookahead`: the first `lookahead` named images.
+    """
     policy = pool.spec.pre_pull.policy
     if policy == "Never":
         return []
     if policy == "Lookahead":
         wanted = lookahead_images(pool)[: pool.spec.pre_pull.lookahead or 0]
     else:
-        wanted = [*pool.spec.source.images, *task_set_images]
+        wanted = [*pool.spec.source.images, *task_set_images, *lookahead_images(pool)]
     return list(dict.fromkeys(wanted))
 
 

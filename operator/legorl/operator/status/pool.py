@@ -14,7 +14,7 @@ from legorl.api.kinds import SandboxPool
 from legorl.api.pool import ImagePullFailure, NodeImageStatus, SandboxPoolStatus
 from legorl.operator.observe import PULL_FAILURES, Observed, PodView
 from legorl.operator.render.common import selector_string
-from legorl.operator.render.pool import PREPULL, WARM, desired_images, warm_selector
+from legorl.operator.render.pool import PREPULL, WARM, desired_images, operator_reads_task_set, warm_selector
 from legorl.operator.status.common import ConditionSet, listing, pod_problem
 
 MAX_FAILURES_PER_NODE = 16
@@ -108,13 +108,20 @@ def _set_images_cached(
         conds.set(
             T.IMAGES_CACHED, "False", R.PRE_PULL_DISABLED, "prePull.policy is Never: trials pull their images"
         )
-    elif not images:
-        why = (
-            "the run controller has not named upcoming tasks yet"
-            if policy == "Lookahead"
-            else "source lists no images (task-set images are added once the manifest is read)"
+    elif not images and (policy == "Lookahead" or not operator_reads_task_set(pool)):
+        source = pool.spec.source.task_set
+        where = f" from {source.uri}" if source is not None else ""
+        conds.set(
+            T.IMAGES_CACHED,
+            "Unknown",
+            R.TASK_SET_IMAGES_UNKNOWN,
+            f"no task images named yet: the run controller names them{where} when it reads the task set; "
+            "until then trials pull their own images",
         )
-        conds.set(T.IMAGES_CACHED, "True", R.ALL_IMAGES_CACHED, f"nothing to cache: {why}")
+    elif not images:
+        conds.set(
+            T.IMAGES_CACHED, "True", R.ALL_IMAGES_CACHED, "nothing to cache: the task set names no images"
+        )
     elif cache.scheduled_known and cache.matching_nodes == 0:
         conds.set(
             T.IMAGES_CACHED,
