@@ -72,7 +72,7 @@ from legorl.operator.render.pool import render_pool  # noqa: E402
 from legorl.operator.render.run import render_run  # noqa: E402
 from legorl.operator.settings import OperatorSettings  # noqa: E402
 from legorl.operator.store import CUSTOM_KINDS, ObjectKey, Store  # noqa: E402
-from tests.kubeapi import MockApi  # noqa: E402
+from tests.kubeapi import MockApi, mock_timeouts  # noqa: E402
 
 NS = "default"
 GV = "legorl.dev/v1alpha1"
@@ -361,16 +361,7 @@ async def direct_operator(reconciler: Reconciler, api: RemoteApi) -> AsyncIterat
 
 def kopf_bench_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
     """The production kopf settings with the short network timeouts the integration tests use."""
-    config = kopf_settings(settings)
-    config.watching.connect_timeout = 2
-    config.watching.reconnect_backoff = 0.05
-    config.networking.request_timeout = 60
-    config.networking.connect_timeout = 2
-    config.networking.error_backoffs = [0.05, 0.1, 0.2]
-    config.queueing.idle_timeout = 0.5
-    config.queueing.exit_timeout = 0.5
-    config.process.ultimate_exiting_timeout = None
-    return config
+    return mock_timeouts(kopf_settings(settings), request_timeout=60)
 
 
 @asynccontextmanager

@@ -1376,6 +1376,20 @@ def operator_settings() -> kopf.OperatorSettings:
     return settings
 
 
+def mock_timeouts(settings: kopf.OperatorSettings, *, request_timeout: float = 10) -> kopf.OperatorSettings:
+    """`settings` (e.g. an operator's production settings) with the short network timeouts and the
+    no-SIGKILL exit that running against the in-process mock needs."""
+    settings.watching.connect_timeout = 2
+    settings.watching.reconnect_backoff = 0.05
+    settings.networking.request_timeout = request_timeout
+    settings.networking.connect_timeout = 2
+    settings.networking.error_backoffs = [0.05, 0.1, 0.2]
+    settings.queueing.idle_timeout = 0.5
+    settings.queueing.exit_timeout = 0.5
+    settings.process.ultimate_exiting_timeout = None
+    return settings
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)

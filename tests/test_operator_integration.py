@@ -29,7 +29,7 @@ from legorl.operator.main import kopf_settings, make_reconciler
 from legorl.operator.reconcile import Reconciler
 from legorl.operator.render.common import POLICY_VERSION_ANNOTATION
 from legorl.operator.settings import OperatorSettings
-from tests.kubeapi import MockApi, OperatorHandle, run_operator
+from tests.kubeapi import MockApi, OperatorHandle, mock_timeouts, run_operator
 
 REPO = Path(__file__).resolve().parents[1]
 GV = "legorl.dev/v1alpha1"
@@ -52,16 +52,7 @@ def operator_test_settings(**overrides: Any) -> OperatorSettings:
 
 def kopf_test_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
     """The production kopf settings, with the mock-friendly timeouts of tests/kubeapi.py."""
-    config = kopf_settings(settings)
-    config.watching.connect_timeout = 2
-    config.watching.reconnect_backoff = 0.05
-    config.networking.request_timeout = 10
-    config.networking.connect_timeout = 2
-    config.networking.error_backoffs = [0.05, 0.1, 0.2]
-    config.queueing.idle_timeout = 0.5
-    config.queueing.exit_timeout = 0.5
-    config.process.ultimate_exiting_timeout = None
-    return config
+    return mock_timeouts(kopf_settings(settings))
 
 
 class Env:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -53,6 +53,9 @@ QUIET_AT_START = {"Degraded", "Failed", "Succeeded"}
 """Conditions whose first appearance as False is not posted as an Event."""
 APPLY_GRACE_SECONDS = 10.0
 """After applying a child, wait this long for the watch to show it before re-applying it."""
+
+
+ResourceT = TypeVar("ResourceT", RolloutFleet, SandboxPool, RLRun)
 
 
 class TransientError(Exception):
@@ -229,15 +232,25 @@ class Reconciler:
             except ApiError as exc:  # an event is best effort; the status already says it
                 log.warning("could not post event for %s: %s", body["metadata"]["name"], exc)
 
+    # --- shared preamble --------------------------------------------------------------------
+    def _place(self, body: dict[str, Any]) -> tuple[ObjectKey, Observed]:
+        """The object's key and what is observed of its children."""
+        ns, name = body["metadata"].get("namespace", "default"), body["metadata"]["name"]
+        return (body["kind"], ns, name), self.store.observed(ns, owner_key(body["kind"], name))
+
+    async def _parse(self, body: dict[str, Any], model: type[ResourceT], condition: str) -> ResourceT | None:
+        """The typed object, or None after reporting on `condition` why the stored one does not parse."""
+        try:
+            return model.model_validate(body)
+        except ValidationError as exc:
+            await self._write_invalid(body, condition, _status_problem(exc))
+            return None
+
     # --- RolloutFleet ---------------------------------------------------------------------
     async def _reconcile_fleet(self, body: dict[str, Any]) -> None:
-        ns, name = body["metadata"].get("namespace", "default"), body["metadata"]["name"]
-        key: ObjectKey = ("RolloutFleet", ns, name)
-        observed = self.store.observed(ns, owner_key("RolloutFleet", name))
-        try:
-            fleet = RolloutFleet.model_validate(body)
-        except ValidationError as exc:
-            await self._write_invalid(body, "Ready", _status_problem(exc))
+        key, observed = self._place(body)
+        fleet = await self._parse(body, RolloutFleet, "Ready")
+        if fleet is None:
             return
         error: str | None = None
         try:
@@ -253,13 +266,10 @@ class Reconciler:
 
     # --- SandboxPool ----------------------------------------------------------------------
     async def _reconcile_pool(self, body: dict[str, Any]) -> None:
-        ns, name = body["metadata"].get("namespace", "default"), body["metadata"]["name"]
-        key: ObjectKey = ("SandboxPool", ns, name)
-        observed = self.store.observed(ns, owner_key("SandboxPool", name))
-        try:
-            pool = SandboxPool.model_validate(body)
-        except ValidationError as exc:
-            await self._write_invalid(body, "Ready", _status_problem(exc))
+        key, observed = self._place(body)
+        ns = key[1]
+        pool = await self._parse(body, SandboxPool, "Ready")
+        if pool is None:
             return
         images: list[str] = []
         if pool.spec.source.task_set is not None:
@@ -373,13 +383,10 @@ class Reconciler:
         return problems
 
     async def _reconcile_run(self, body: dict[str, Any]) -> None:
-        ns, name = body["metadata"].get("namespace", "default"), body["metadata"]["name"]
-        key: ObjectKey = ("RLRun", ns, name)
-        observed = self.store.observed(ns, owner_key("RLRun", name))
-        try:
-            run = RLRun.model_validate(body)
-        except ValidationError as exc:
-            await self._write_invalid(body, "Validated", _status_problem(exc))
+        key, observed = self._place(body)
+        ns = key[1]
+        run = await self._parse(body, RLRun, "Validated")
+        if run is None:
             return
         self.store.set_dependencies(
             key, [("RolloutFleet", ns, fleet_name(run)), ("SandboxPool", ns, pool_name(run))]
