@@ -61,7 +61,9 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
-    def authenticate(memo: Any, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    async def authenticate(memo: Any, **kwargs: Any) -> kopf.ConnectionInfo | None:
+        # Async, so it runs on the operator's loop (a sync handler would run in a worker thread,
+        # where the old client cannot be closed).
         info: kopf.ConnectionInfo | None
         if login is not None:
             info = login(memo=memo, **kwargs)
@@ -72,7 +74,7 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
             old = reconciler.client_
             reconciler.client_ = KubeClient(credentials_from_kopf(info))
             if old is not None:
-                asyncio.get_event_loop().create_task(old.close())
+                await old.close()
         return info
 
     @kopf.on.startup(registry=registry)
