@@ -622,7 +622,9 @@ def report(opt: Result, naive: Result, args: argparse.Namespace, per_kind: dict[
 async def amain(args: argparse.Namespace) -> None:
     # Production settings, except that no periodic resync fires during the run (passes are triggered
     # explicitly) and watches are short enough for a stopped operator to close them promptly.
-    settings = replace(OperatorSettings(), resync_seconds=3600.0, watch_timeout_seconds=60)
+    settings = replace(
+        OperatorSettings(), resync_seconds=3600.0, watch_timeout_seconds=60, settle_seconds=0.5
+    )
     args.docs = workload(args.runs)
     expected = expected_children(args.docs, make_reconciler(settings).ctx)
     per_kind = {d["kind"]: len(expected[owner_key(d["kind"], d["metadata"]["name"])]) for d in args.docs[:3]}

@@ -46,7 +46,9 @@ def manifests(name: str) -> list[dict[str, Any]]:
 
 
 def operator_test_settings(**overrides: Any) -> OperatorSettings:
-    base = OperatorSettings(debounce_seconds=0.05, resync_seconds=300.0, watch_timeout_seconds=5)
+    base = OperatorSettings(
+        debounce_seconds=0.05, resync_seconds=300.0, watch_timeout_seconds=5, settle_seconds=0.3
+    )
     return replace(base, **overrides)
 
 
@@ -722,3 +724,22 @@ def test_a_refused_trainer_job_invalidates_the_run(env_factory: Any) -> None:
     validated = env.wait_condition("rlruns", "coder-grpo", "Validated", "False", "InvalidSpec")
     assert "Job coder-grpo-trainer" in validated["message"]
     env.handle.wait_for(lambda: env.get("rlruns", "coder-grpo")["status"]["phase"] == "Invalid")
+
+
+def test_trainer_job_template_is_never_changed_after_creation(env_factory: Any) -> None:
+    """A Job's pod template is immutable: spec edits reach a running trainer only through
+    suspend/parallelism, and the run stays valid (the API server would answer 422 otherwise)."""
+    env: Env = env_factory()
+    fleet, pool, train, _ = manifests("shared-fleet-and-pool.yaml")
+    for doc in (fleet, pool, train):
+        env.mock.create(doc)
+    job = env.handle.wait_for(lambda: env.get("jobs", "coder-grpo-trainer", "batch/v1"), timeout=TIMEOUT)
+    image = job["spec"]["template"]["spec"]["containers"][0]["image"]
+    env.mock.patch(
+        GV, "rlruns", NS, "coder-grpo", {"spec": {"trainer": {"image": {"image": "ghcr.io/x/t:2"}}}}
+    )
+    env.mock.patch(GV, "rlruns", NS, "coder-grpo", {"spec": {"suspend": True}})
+    env.handle.wait_for(lambda: env.get("jobs", "coder-grpo-trainer", "batch/v1")["spec"]["suspend"] is True)
+    job = env.get("jobs", "coder-grpo-trainer", "batch/v1")
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == image
+    env.wait_condition("rlruns", "coder-grpo", "Validated", "True", "Valid")

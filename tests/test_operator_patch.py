@@ -1,4 +1,4 @@
-"""Status patches are minimal JSON merge patches that turn the stored status into the computed one."""
+"""The operator's API I/O helpers: minimal merge patches for status, and client error classes."""
 
 from __future__ import annotations
 
@@ -39,3 +39,23 @@ def test_merge_patch_is_minimal_and_applies(
     patch = merge_patch(old, new)
     assert patch == expected
     assert apply_merge_patch(old, patch) == new
+
+
+def test_connection_errors_are_transient_api_errors() -> None:
+    import asyncio  # noqa: PLC0415
+
+    from legorl.operator.kube import ApiError, Credentials, KubeClient  # noqa: PLC0415
+
+    async def attempt() -> ApiError:
+        client = KubeClient(Credentials(server="http://127.0.0.1:9"), timeout=2)
+        try:
+            await client.get("Deployment", "default", "x")
+        except ApiError as exc:
+            return exc
+        finally:
+            await client.close()
+        raise AssertionError("no error")
+
+    error = asyncio.run(attempt())
+    assert error.status == 503 and error.transient
+    assert "ConnectError" in str(error)

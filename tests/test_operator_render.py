@@ -361,3 +361,19 @@ def test_suspended_run_scales_what_it_owns_to_zero() -> None:
     children = {o["kind"]: o for o in render_run(resumed, RenderContext(), 8000)}
     assert children["Job"]["spec"]["suspend"] is False
     assert children["RolloutFleet"]["spec"]["replicas"] == 4
+
+
+def test_nccl_weight_sync_opens_the_engines_to_trainers_on_any_port() -> None:
+    def ingress(method: str) -> list[dict[str, Any]]:
+        fleet = fleet_from({"weightSync": {"method": method}})
+        policy = next(o for o in render_fleet(fleet, RenderContext()) if o["kind"] == "NetworkPolicy")
+        rules: list[dict[str, Any]] = policy["spec"]["ingress"]
+        return rules
+
+    trainer = {"podSelector": {"matchLabels": {"legorl.dev/component": "trainer"}}}
+    assert {"from": [trainer]} in ingress("NCCL")
+    assert {"from": [trainer]} not in ingress("Filesystem")
+    # The serving port is open to trials, trainers and the operator only (not warm sandboxes).
+    serving = ingress("Filesystem")[0]
+    components = [peer["podSelector"]["matchLabels"].get("legorl.dev/component") for peer in serving["from"]]
+    assert components == ["trial", "trainer", None]

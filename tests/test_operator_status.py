@@ -22,7 +22,7 @@ from legorl.operator.render.fleet import COMPONENT as ENGINE
 from legorl.operator.render.pool import APP as SANDBOX_APP
 from legorl.operator.render.pool import PREPULL, WARM, desired_images
 from legorl.operator.status.fleet import compute_fleet_status
-from legorl.operator.status.pool import compute_pool_status
+from legorl.operator.status.pool import MAX_FAILURE_MESSAGE, compute_pool_status
 from legorl.operator.status.run import compute_run_status
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -1215,7 +1215,8 @@ def test_pool_long_kubelet_messages_fit_the_status_and_round_trip() -> None:
     )
     status = _pool_status(pool, *bodies)
     (failure,) = status.nodes[0].failures
-    assert failure.message == message[:1024]
+    # Per-node detail is capped so a registry outage on many nodes cannot outgrow the object limit.
+    assert failure.message == message[:MAX_FAILURE_MESSAGE]
     assert reasons(status.conditions)["ImagesCached"] == ("False", "PullFailed")
     again = compute_pool_status(
         fed_back(pool, status),
@@ -1496,3 +1497,14 @@ def test_pool_with_a_task_set_the_operator_does_not_read_waits_for_the_run_contr
     )
     assert desired_images(named, []) == [DJANGO, SYMPY]
     assert _pool_status(named).images_desired == 2
+
+
+def test_pool_judges_each_prepull_pod_by_its_own_image_list() -> None:
+    pool = make_pool()
+    old_pod = prepull_pod(pool, "node-a", [terminated("pull-0", DJANGO)], done=True)
+    old_pod["metadata"]["annotations"] = {"legorl.dev/images": json.dumps([DJANGO])}
+    # The DaemonSet now asks for both images; the running pod is still the old template's.
+    status = _pool_status(pool, daemon_set(pool, 0, [DJANGO, SYMPY], desired=1), old_pod)
+    (node,) = status.nodes
+    assert (node.desired, node.pulled) == (2, 1)
+    assert reasons(status.conditions)["ImagesCached"] == ("False", "PullInProgress")

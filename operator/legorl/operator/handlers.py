@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -79,6 +80,8 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry)
     async def start(memo: Any, **_: Any) -> None:
+        reconciler = _reconciler(memo)
+        reconciler.settle_until = time.monotonic() + reconciler.settings.settle_seconds
         memo["stopping"] = asyncio.Event()
         memo["loop"] = asyncio.get_running_loop().create_task(_resync_loop(_reconciler(memo)))
 
@@ -152,7 +155,13 @@ def _register_custom(registry: kopf.OperatorRegistry, kind: str) -> None:
     async def reconcile(body: kopf.Body, namespace: str | None, name: str, memo: Any, **_: Any) -> None:
         reconciler = _reconciler(memo)
         key: ObjectKey = (kind, namespace or "", name)
-        reconciler.store.objects[key] = _raw(body)
+        fresh = _raw(body)
+        known = reconciler.store.objects.get(key)
+        if known is not None and "status" in known:
+            # The store may hold a status this operator wrote after kopf's copy was taken; diffing
+            # against the older one would re-send changes and post their Events twice.
+            fresh["status"] = known["status"]
+        reconciler.store.objects[key] = fresh
         try:
             await reconciler.reconcile(key)
         except TransientError as exc:

@@ -167,7 +167,10 @@ class KubeClient:
         self.requests[method] += 1
         content = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": content_type} if content is not None else {}
-        response = await self._http.request(method, path, content=content, headers=headers, params=params)
+        try:
+            response = await self._http.request(method, path, content=content, headers=headers, params=params)
+        except httpx.TransportError as exc:  # connection refused, reset, timed out: retry later
+            raise ApiError(503, f"{type(exc).__name__}: {exc}", method, path) from exc
         if response.status_code == 404 and missing_ok:
             return None
         if response.status_code >= 400:
@@ -193,6 +196,17 @@ class KubeClient:
             params={"fieldManager": FIELD_MANAGER, "force": "true"},
         )
         return out or {}
+
+    async def merge_patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        """A JSON merge patch of the object itself (for the few fields of objects whose other fields
+        are immutable once created, such as a Job's `suspend` and `parallelism`)."""
+        await self._send(
+            "PATCH",
+            RESOURCES[kind].path(namespace, name),
+            body=patch,
+            content_type="application/merge-patch+json",
+            params={"fieldManager": FIELD_MANAGER},
+        )
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         """Delete an object and, in the background, its dependents; absent is fine."""

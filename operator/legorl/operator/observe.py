@@ -3,6 +3,7 @@ small enough to keep in kopf indexes for every child the operator manages."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,8 @@ class PodView:
     """The scheduler's message when the pod cannot be placed."""
     containers: tuple[ContainerState, ...] = ()
     init_containers: tuple[ContainerState, ...] = ()
+    images: tuple[str, ...] | None = None
+    """A pre-pull pod's own image list (its `legorl.dev/images` annotation), if it has one."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,18 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         unschedulable=unschedulable,
         containers=tuple(_container_state(s, False) for s in status.get("containerStatuses") or []),
         init_containers=tuple(_container_state(s, True) for s in status.get("initContainerStatuses") or []),
+        images=_image_list((meta.get("annotations") or {}).get("legorl.dev/images")),
     )
+
+
+def _image_list(raw: object) -> tuple[str, ...] | None:
+    if not isinstance(raw, str):
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    return tuple(v for v in value if isinstance(v, str)) if isinstance(value, list) else None
 
 
 _COUNTERS = (

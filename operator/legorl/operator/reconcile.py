@@ -49,9 +49,14 @@ WARNING_WHEN = {
 """Condition (type, status) pairs whose transitions are posted as Warning events."""
 QUIET_REASONS = {"ScaledToZero", "PullInProgress", "RolloutInProgress", "ModelLoading", "PrePullDisabled"}
 """Transitions into these are posted as Normal events: they are expected, not problems."""
+CREATE_ONLY_TEMPLATE = {"Job": ("suspend", "parallelism")}
+"""Kinds whose pod template the API server refuses to change: after creation only these spec
+fields are patched."""
 QUIET_AT_START = {"Degraded", "Failed", "Succeeded"}
 """Conditions whose first appearance as False is not posted as an Event."""
 APPLY_GRACE_SECONDS = 10.0
+RETRY_SECONDS = 2.0
+"""Delay before an object whose reconcile failed transiently is tried again."""
 """After applying a child, wait this long for the watch to show it before re-applying it."""
 
 
@@ -89,6 +94,8 @@ class Reconciler:
     """Pending reconciles at a run's deadline."""
     discovered: bool = False
     """Whether optional APIs (LeaderWorkerSet) have been looked up since login."""
+    settle_until: float = 0.0
+    """Monotonic time before which nothing is reconciled (the watches are still listing)."""
     _slots: asyncio.Semaphore | None = None
     _discovery: asyncio.Lock | None = None
 
@@ -102,6 +109,10 @@ class Reconciler:
     # --- entry points ---------------------------------------------------------------------
     async def reconcile(self, key: ObjectKey) -> None:
         """Reconcile one custom resource from the store (no-op if it is gone or going)."""
+        wait = self.settle_until - time.monotonic()
+        if wait > 0:
+            asyncio.get_running_loop().call_later(wait, self.store.mark, key)
+            return
         if not self.discovered:
             await self._discover()
         if self._slots is None:
@@ -134,7 +145,7 @@ class Reconciler:
                 return
             try:
                 lws = await self.client.api_available(LWS_API)
-            except (ApiError, OSError) as exc:
+            except ApiError as exc:
                 raise TransientError(f"API discovery failed: {exc}") from exc
             self.ctx = replace(self.ctx, lws_available=lws)
             self.discovered = True
@@ -153,7 +164,7 @@ class Reconciler:
                 await self.reconcile(key)
             except TransientError as exc:
                 log.warning("retrying %s/%s %s: %s", key[1], key[2], key[0], exc)
-                self.store.dirty.add(key)
+                asyncio.get_running_loop().call_later(RETRY_SECONDS, self.store.mark, key)
             except ApiError as exc:
                 log.error("reconcile of %s %s/%s failed: %s", key[0], key[1], key[2], exc)
 
@@ -180,7 +191,10 @@ class Reconciler:
             if not force and ((current is not None and current.hash == digest) or recently):
                 continue
             try:
-                await self.client.apply(obj)
+                if kind in CREATE_ONLY_TEMPLATE and current is not None:
+                    await self._patch_mutable(namespace, obj)
+                else:
+                    await self.client.apply(obj)
             except ApiError as exc:
                 if exc.transient:
                     raise
@@ -194,6 +208,17 @@ class Reconciler:
         if force and not errors:
             self.full_apply[key] = now
         return errors
+
+    async def _patch_mutable(self, namespace: str, obj: dict[str, Any]) -> None:
+        """Update what may change on an existing Job (suspend, parallelism) and leave its pod
+        template, immutable once created, as it was: a changed trainer image or store takes
+        effect when the trainer Job is next created."""
+        spec = obj["spec"]
+        patch = {
+            "metadata": {"annotations": obj["metadata"]["annotations"]},
+            "spec": {key: spec[key] for key in CREATE_ONLY_TEMPLATE[obj["kind"]] if key in spec},
+        }
+        await self.client.merge_patch(obj["kind"], namespace, obj["metadata"]["name"], patch)
 
     # --- status ---------------------------------------------------------------------------
     async def _write_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:

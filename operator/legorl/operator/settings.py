@@ -27,6 +27,9 @@ class OperatorSettings:
     """Every object is re-read from the watch cache and fully re-applied at least this often."""
     debounce_seconds: float = 0.5
     """Changes seen within this window are reconciled together."""
+    settle_seconds: float = 3.0
+    """After start, wait this long for every watch to list its objects before writing any status
+    (a run would otherwise not yet see its fleet and call it missing, and post a Warning)."""
     concurrency: int = 16
     """Objects reconciled at once."""
     watch_timeout_seconds: int = 300

@@ -123,6 +123,11 @@ def _engine_env(fleet: RolloutFleet) -> list[dict[str, Any]]:
         "HF_HOME": f"{CACHE_DIR}/huggingface",
         "VLLM_CACHE_ROOT": f"{CACHE_DIR}/vllm",
         "XDG_CACHE_HOME": CACHE_DIR,
+        # The engine runs as a uid the image's /etc/passwd does not know; torch asks getpass for a
+        # user name at import, which reads USER first instead of failing on getpwuid().
+        "USER": "vllm",
+        "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_DIR}/inductor",
+        "TRITON_CACHE_DIR": f"{CACHE_DIR}/triton",
     }
     if fleet.spec.parallelism.gpus_per_node == 0:
         base["VLLM_CPU_KVCACHE_SPACE"] = "4"
@@ -366,11 +371,31 @@ def _network_policy(fleet: RolloutFleet) -> dict[str, Any]:
             "policyTypes": ["Ingress"],
             "ingress": [
                 {
-                    "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "legorl"}}}],
+                    # Trials (through their proxy), trainers (weight sync) and the operator (the run
+                    # controller) reach the serving port; warm sandboxes and other pods do not.
+                    "from": [
+                        {"podSelector": {"matchLabels": {"legorl.dev/component": "trial"}}},
+                        {"podSelector": {"matchLabels": {"legorl.dev/component": "trainer"}}},
+                        {
+                            "podSelector": {
+                                "matchLabels": {
+                                    "app.kubernetes.io/name": "legorl",
+                                    "app.kubernetes.io/component": "operator",
+                                }
+                            },
+                            "namespaceSelector": {},
+                        },
+                    ],
                     "ports": [{"protocol": "TCP", "port": fleet.spec.port}],
                 },
                 # Members of a multi-node group talk among themselves on any port (Ray, NCCL).
                 {"from": [{"podSelector": {"matchLabels": engine}}]},
+                *(
+                    # NCCL weight transfer opens connections from the trainer on ephemeral ports.
+                    [{"from": [{"podSelector": {"matchLabels": {"legorl.dev/component": "trainer"}}}]}]
+                    if fleet.spec.weight_sync.method == "NCCL"
+                    else []
+                ),
             ],
         },
     }

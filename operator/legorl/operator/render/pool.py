@@ -34,6 +34,8 @@ AGENT_UID = 65532
 PROXY_UID = 65533
 """The proxy runs as its own user: the egress lock lets only this UID open non-loopback sockets."""
 PROXY_PORT = 4000
+IMAGES_ANNOTATION = "legorl.dev/images"
+"""On pre-pull DaemonSets and their pods: the JSON list of images the pod's init containers pull."""
 TOOLS_DIR = "/legorl"
 HARNESS_DIR = "/opt/legorl-harness"
 STAGED_WORKSPACE = "/staged-workspace"
@@ -96,6 +98,7 @@ def _tiny_resources() -> dict[str, Any]:
 def _prepull_daemon_set(pool: SandboxPool, chunk: int, images: list[str]) -> dict[str, Any]:
     component = PREPULL
     name = prepull_name(pool.metadata.name, chunk)
+    images_note = {IMAGES_ANNOTATION: json.dumps(images, separators=(",", ":"))}
     chunk_selector = {**selector_labels(pool, component), "legorl.dev/chunk": str(chunk)}
     pod_labels = {**labels(pool, component, "legorl-prepull"), "legorl.dev/chunk": str(chunk)}
     spec: dict[str, Any] = {
@@ -129,14 +132,12 @@ def _prepull_daemon_set(pool: SandboxPool, chunk: int, images: list[str]) -> dic
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
-        "metadata": {
-            **metadata(pool, name, component, "legorl-prepull"),
-            "annotations": {"legorl.dev/images": json.dumps(images, separators=(",", ":"))},
-        },
+        "metadata": {**metadata(pool, name, component, "legorl-prepull"), "annotations": dict(images_note)},
         "spec": {
             "selector": {"matchLabels": chunk_selector},
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "50%"}},
-            "template": {"metadata": {"labels": pod_labels}, "spec": spec},
+            # Each pod carries the list it pulls: a pod of an older template is judged by its own.
+            "template": {"metadata": {"labels": pod_labels, "annotations": images_note}, "spec": spec},
         },
     }
 
@@ -176,7 +177,9 @@ def _proxy_sidecar(trial: TrialContext, ctx: RenderContext) -> dict[str, Any]:
         "restartPolicy": "Always",
         "args": [
             "proxy",
-            f"--listen=127.0.0.1:{PROXY_PORT}",
+            # On all pod addresses so the kubelet's startup probe (dialled from the node) reaches
+            # it; the pool's NetworkPolicy admits no other pod, and the agent uses loopback.
+            f"--listen=0.0.0.0:{PROXY_PORT}",
             f"--upstream={trial.fleet_url}",
             f"--served-model-name={trial.served_model_name}",
             f"--api-format={api_format}",
@@ -188,7 +191,7 @@ def _proxy_sidecar(trial: TrialContext, ctx: RenderContext) -> dict[str, Any]:
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": restricted_container(user=PROXY_UID),
         "startupProbe": {
-            "tcpSocket": {"port": PROXY_PORT, "host": "127.0.0.1"},
+            "tcpSocket": {"port": PROXY_PORT},
             "periodSeconds": 1,
             "failureThreshold": 30,
         },

@@ -206,6 +206,12 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int) -> dict[str, A
             # One rank failing fails the step for all; the run controller restarts from the
             # last checkpoint rather than the Job retrying one rank alone.
             "backoffLimit": 0,
+            # An evicted or preempted pod (drain, spot reclaim) is replaced, not a failed run.
+            "podFailurePolicy": {
+                "rules": [
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+                ]
+            },
             "suspend": run.spec.suspend,
             "template": {"metadata": {"labels": labels(run, TRAINER, APP)}, "spec": pod_spec},
         },

@@ -7,7 +7,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from legorl.api._base import MAX_TEXT
 from legorl.api.conditions import PoolConditionType as T
 from legorl.api.conditions import PoolReason as R
 from legorl.api.kinds import SandboxPool
@@ -17,7 +16,10 @@ from legorl.operator.render.common import selector_string
 from legorl.operator.render.pool import PREPULL, WARM, desired_images, operator_reads_task_set, warm_selector
 from legorl.operator.status.common import ConditionSet, listing, pod_problem
 
-MAX_FAILURES_PER_NODE = 16
+MAX_FAILURES_PER_NODE = 3
+MAX_FAILURE_MESSAGE = 300
+"""Per-node failure detail is capped: a registry outage on a large cluster must not push the status
+past the API server's object size limit (the condition message names the first failure)."""
 NOT_RUNNABLE = frozenset({"CrashLoopBackOff", "RunContainerError", "StartError", "CreateContainerError"})
 """Waiting reasons of a pre-pull container whose image was pulled but cannot start."""
 
@@ -41,7 +43,11 @@ def _node_state(
     pulled: set[str] = set()
     failures: list[ImagePullFailure] = []
     for pod in pods:
-        images = chunk_images.get(pod.labels.get("legorl.dev/chunk", ""), [])
+        images = (
+            list(pod.images)
+            if pod.images is not None
+            else chunk_images.get(pod.labels.get("legorl.dev/chunk", ""), [])
+        )
         if pod.phase == "Running" or any(c.state == "running" for c in pod.containers):
             pulled.update(images)  # init containers only let the pause container start when done
             continue
@@ -52,7 +58,9 @@ def _node_state(
                 pulled.add(image)  # the kubelet started the container, so the image is on the node
             elif status.reason in PULL_FAILURES:
                 failures.append(
-                    ImagePullFailure(image=image, reason=status.reason, message=status.message[:MAX_TEXT])
+                    ImagePullFailure(
+                        image=image, reason=status.reason, message=status.message[:MAX_FAILURE_MESSAGE]
+                    )
                 )
             elif status.state == "failed" or status.reason in NOT_RUNNABLE:
                 # Pulled, but `/bin/sh -c "exit 0"` cannot run in it (a distroless image): the
@@ -65,7 +73,7 @@ def _node_state(
                         message=(
                             "the image is on the node, but its pre-pull container cannot run /bin/sh; "
                             f"later images of this DaemonSet are not pulled. {status.message}"
-                        )[:MAX_TEXT],
+                        )[:MAX_FAILURE_MESSAGE],
                     )
                 )
     return pulled, failures
