@@ -210,3 +210,31 @@ def restricted_container(read_only_root: bool = True, user: int | None = 65532) 
         ctx["runAsUser"] = user
         ctx["runAsGroup"] = user
     return ctx
+
+
+def service_account(res: Resource, name: str, component: str, app: str) -> dict[str, Any]:
+    """A ServiceAccount with no permissions whose token is never mounted."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": metadata(res, name, component, app),
+        "automountServiceAccountToken": False,
+    }
+
+
+def headless_service(
+    res: Resource, name: str, component: str, app: str, port: tuple[str, int]
+) -> dict[str, Any]:
+    """A headless Service giving each pod of `component` a stable DNS name (rendezvous, Ray)."""
+    port_name, number = port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(res, name, component, app),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(res, component),
+            "ports": [{"name": port_name, "port": number, "protocol": "TCP"}],
+        },
+    }

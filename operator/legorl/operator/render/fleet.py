@@ -12,11 +12,13 @@ from legorl.operator.render.common import (
     RESTRICTED_POD_SECURITY,
     RenderContext,
     env_list,
+    headless_service,
     metadata,
     pod_placement,
     resources,
     restricted_container,
     selector_labels,
+    service_account,
     with_hash,
 )
 
@@ -333,17 +335,8 @@ def _service(fleet: RolloutFleet, multi_node: bool, lws: bool) -> dict[str, Any]
 
 
 def _headless_service(fleet: RolloutFleet) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(fleet, f"{engine_name(fleet.metadata.name)}-hl", COMPONENT, APP),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": selector_labels(fleet, COMPONENT),
-            "ports": [{"name": "ray", "port": RAY_PORT, "protocol": "TCP"}],
-        },
-    }
+    name = f"{engine_name(fleet.metadata.name)}-hl"
+    return headless_service(fleet, name, COMPONENT, APP, ("ray", RAY_PORT))
 
 
 def _pdb(fleet: RolloutFleet) -> dict[str, Any]:
@@ -402,12 +395,7 @@ def _network_policy(fleet: RolloutFleet) -> dict[str, Any]:
 
 
 def _service_account(fleet: RolloutFleet) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": metadata(fleet, engine_name(fleet.metadata.name), COMPONENT, APP),
-        "automountServiceAccountToken": False,
-    }
+    return service_account(fleet, engine_name(fleet.metadata.name), COMPONENT, APP)
 
 
 def render_fleet(fleet: RolloutFleet, ctx: RenderContext) -> list[dict[str, Any]]:

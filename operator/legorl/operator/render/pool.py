@@ -21,6 +21,7 @@ from legorl.operator.render.common import (
     resources,
     restricted_container,
     selector_labels,
+    service_account,
     short_hash,
     with_hash,
 )
@@ -413,12 +414,7 @@ def _network_policy(pool: SandboxPool) -> dict[str, Any]:
 
 
 def _service_account(pool: SandboxPool) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": metadata(pool, sandbox_account(pool.metadata.name), TRIAL, APP),
-        "automountServiceAccountToken": False,
-    }
+    return service_account(pool, sandbox_account(pool.metadata.name), TRIAL, APP)
 
 
 def render_pool(pool: SandboxPool, ctx: RenderContext, task_set_images: list[str]) -> list[dict[str, Any]]:

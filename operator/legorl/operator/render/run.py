@@ -12,6 +12,7 @@ from legorl.api.kinds import RLRun
 from legorl.operator.render.common import (
     RESTRICTED_POD_SECURITY,
     RenderContext,
+    headless_service,
     label_value,
     labels,
     metadata,
@@ -19,7 +20,7 @@ from legorl.operator.render.common import (
     pod_placement,
     resources,
     restricted_container,
-    selector_labels,
+    service_account,
     with_hash,
 )
 from legorl.operator.render.fleet import COMPONENT as ENGINE
@@ -109,26 +110,11 @@ def _owned_pool(run: RLRun) -> dict[str, Any]:
 
 
 def _trainer_service(run: RLRun) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(run, trainer_name(run.metadata.name), TRAINER, APP),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": selector_labels(run, TRAINER),
-            "ports": [{"name": "rendezvous", "port": MASTER_PORT, "protocol": "TCP"}],
-        },
-    }
+    return headless_service(run, trainer_name(run.metadata.name), TRAINER, APP, ("rendezvous", MASTER_PORT))
 
 
 def _trainer_account(run: RLRun) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": metadata(run, trainer_name(run.metadata.name), TRAINER, APP),
-        "automountServiceAccountToken": False,
-    }
+    return service_account(run, trainer_name(run.metadata.name), TRAINER, APP)
 
 
 def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int) -> dict[str, Any]:
