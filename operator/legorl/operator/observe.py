@@ -62,10 +62,6 @@ class ChildView:
     counters: Mapping[str, int] = field(default_factory=dict)
     conditions: Mapping[str, tuple[str, str, str]] = field(default_factory=dict)
     """type → (status, reason, message)."""
-    spec: Mapping[str, Any] = field(default_factory=dict)
-    """For custom resources: the spec (the run reads its fleet's and pool's)."""
-    status: Mapping[str, Any] = field(default_factory=dict)
-    """For custom resources: the status."""
     annotations: Mapping[str, str] = field(default_factory=dict)
     """Its `legorl.dev/*` annotations (a pre-pull DaemonSet's `legorl.dev/images`)."""
 
@@ -166,7 +162,6 @@ _COUNTERS = (
 def child_view(body: Mapping[str, Any]) -> ChildView:
     meta, status = body.get("metadata", {}), body.get("status") or {}
     kind = body.get("kind", "")
-    custom = body.get("apiVersion", "").startswith("legorl.dev/")
     spec = body.get("spec") or {}
     counters = {k: int(status[k]) for k in _COUNTERS if isinstance(status.get(k), int)}
     if "replicas" in spec and isinstance(spec["replicas"], int):
@@ -185,8 +180,6 @@ def child_view(body: Mapping[str, Any]) -> ChildView:
         observed_generation=int(status.get("observedGeneration", 0) or 0),
         counters=counters,
         conditions=conditions,
-        spec=dict(spec) if custom else {"suspend": spec.get("suspend")} if kind == "Job" else {},
-        status=dict(status) if custom else {},
         annotations={k: v for k, v in annotations.items() if k.startswith("legorl.dev/")},
     )
 

@@ -40,6 +40,8 @@ class Store:
     objects: dict[ObjectKey, dict[str, Any]] = field(default_factory=dict)
     dependents: dict[ObjectKey, set[ObjectKey]] = field(default_factory=lambda: defaultdict(set))
     """A fleet or pool → the runs that use it (their status follows its status)."""
+    uses: dict[ObjectKey, tuple[ObjectKey, ...]] = field(default_factory=dict)
+    """A run → the fleet and pool it uses (the reverse of `dependents`)."""
     dirty: set[ObjectKey] = field(default_factory=set)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -90,6 +92,7 @@ class Store:
         if deleted:
             self.objects.pop(key, None)
             self.dirty.discard(key)
+            self.set_dependencies(key, ())  # a deleted run no longer follows anything
         else:
             self.objects[key] = dict(body)
             self.mark(key)
@@ -112,7 +115,8 @@ class Store:
         )
 
     def set_dependencies(self, run: ObjectKey, uses: Iterable[ObjectKey]) -> None:
-        for users in self.dependents.values():
-            users.discard(run)
-        for key in uses:
+        for key in self.uses.get(run, ()):
+            self.dependents[key].discard(run)
+        self.uses[run] = tuple(uses)
+        for key in self.uses[run]:
             self.dependents[key].add(run)

@@ -9,6 +9,7 @@ from typing import Any
 from legorl.api._base import GROUP_VERSION
 from legorl.api.fleet import RolloutFleetSpec
 from legorl.api.kinds import RLRun
+from legorl.api.pool import SandboxPoolSpec
 from legorl.operator.render.common import (
     RESTRICTED_POD_SECURITY,
     RenderContext,
@@ -82,31 +83,28 @@ def _child_meta(run: RLRun, name: str) -> dict[str, Any]:
     return metadata(run, name, "owned", "legorl")
 
 
+def _owned(run: RLRun, kind: str, name: str, spec: RolloutFleetSpec | SandboxPoolSpec) -> dict[str, Any]:
+    """A fleet or pool the run inlines, as its own custom resource (at zero while suspended)."""
+    if run.spec.suspend:
+        spec = spec.model_copy(update={"replicas": 0})
+    return {
+        "apiVersion": GROUP_VERSION,
+        "kind": kind,
+        "metadata": _child_meta(run, name),
+        "spec": spec.to_wire(),
+    }
+
+
 def _owned_fleet(run: RLRun) -> dict[str, Any]:
     assert run.spec.fleet is not None
     template = run.spec.fleet.to_wire()
     spec = RolloutFleetSpec.model_validate({**template, "model": run.spec.policy.checkpoint.to_wire()})
-    if run.spec.suspend:
-        spec = spec.model_copy(update={"replicas": 0})
-    return {
-        "apiVersion": GROUP_VERSION,
-        "kind": "RolloutFleet",
-        "metadata": _child_meta(run, fleet_name(run)),
-        "spec": spec.to_wire(),
-    }
+    return _owned(run, "RolloutFleet", fleet_name(run), spec)
 
 
 def _owned_pool(run: RLRun) -> dict[str, Any]:
     assert run.spec.pool is not None
-    spec = run.spec.pool
-    if run.spec.suspend:
-        spec = spec.model_copy(update={"replicas": 0})
-    return {
-        "apiVersion": GROUP_VERSION,
-        "kind": "SandboxPool",
-        "metadata": _child_meta(run, pool_name(run)),
-        "spec": spec.to_wire(),
-    }
+    return _owned(run, "SandboxPool", pool_name(run), run.spec.pool)
 
 
 def _trainer_service(run: RLRun) -> dict[str, Any]:
