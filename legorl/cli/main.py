@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -129,6 +130,25 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from legorl.proxy.main import serve, settings_from_args  # noqa: PLC0415
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = settings_from_args(args)
+    except (ValidationError, ValueError) as exc:
+        print(f"legorl proxy: invalid settings:\n{exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        serve(settings)
+    except ImportError as exc:
+        print(f"the proxy needs its extra: pip install 'legorl[proxy]' ({exc})", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
+
+
 def _cmd_crds(args: argparse.Namespace) -> int:
     from legorl.manifests.generated import stale_files, write_generated  # noqa: PLC0415
 
@@ -247,6 +267,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-apply every child at least this often, repairing drift (default 300)",
     )
     p.set_defaults(func=_cmd_operator)
+
+    p = sub.add_parser(
+        "proxy",
+        help="run one trial's LLM proxy (OpenAI Chat, OpenAI Responses, Anthropic Messages → vLLM)",
+        description=(
+            "Serve the harness's model calls from the rollout engine, journaling every turn's token "
+            "ids, log-probs and routing durably before answering. Example: legorl proxy "
+            "--upstream http://127.0.0.1:8000 --journal ./journal --trial t0"
+        ),
+    )
+    from legorl.proxy.main import add_arguments  # noqa: PLC0415 - pydantic only, no server imports
+
+    add_arguments(p)
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="log level (any case)",
+    )
+    p.set_defaults(func=_cmd_proxy)
 
     p = sub.add_parser(
         "crds",

@@ -1,0 +1,517 @@
+"""The proxy's ASGI application: three client APIs in, one engine API out, every turn journaled.
+
+Routes (a `/v1` prefix is optional, query strings are ignored):
+
+- `POST /v1/chat/completions`, `POST /v1/responses`, `POST /v1/messages`: model calls, streaming
+  or not, answered in the client's own schema and error format.
+- `POST /v1/messages/count_tokens`: the engine's own tokenizer and chat template count the prompt.
+- `GET /v1/models`: the one model this proxy serves, in OpenAI's or Anthropic's list format.
+- `GET /health` (alive), `GET /ready` (journal open), `GET /metrics` (Prometheus text).
+- `GET /trajectory` (end state, segments, merge share; `?tokens=false` for a summary),
+  `GET /turns` (journaled turns), `POST /finish` (the harness's exit; returns the end state).
+- `HEAD /` answers 200 (Claude Code probes it before its first call).
+
+The order inside a model call is the point of the whole component: the engine's answer is
+checked, turned into a `Turn` and fsync'd to the journal, and only then does the harness get the
+answer (for a stream: its terminal events). A harness never acts on a turn the journal lacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import ModuleType
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
+
+from legorl.api.termination import TerminationReason
+from legorl.api.trajectory import ApiFormat
+from legorl.proxy.errors import ProxyError, error_body
+from legorl.proxy.formats import anthropic, chat, responses
+from legorl.proxy.formats.common import (
+    Completion,
+    Prepared,
+    StreamAccumulator,
+    TextDelta,
+    ToolCallStart,
+    completion_from_response,
+    events_from_completion,
+)
+from legorl.proxy.journal import turn_to_record
+from legorl.proxy.metrics import Metrics
+from legorl.proxy.settings import ProxySettings
+from legorl.proxy.trial import Trial
+from legorl.proxy.upstream import Upstream
+
+__all__ = ["ProxyApp"]
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_FORMATS: dict[str, ModuleType] = {
+    "/chat/completions": chat,
+    "/responses": responses,
+    "/messages": anthropic,
+}
+_SETTING_FORMAT = {
+    "OpenAIChatCompletions": ApiFormat.OPENAI_CHAT,
+    "OpenAIResponses": ApiFormat.OPENAI_RESPONSES,
+    "AnthropicMessages": ApiFormat.ANTHROPIC_MESSAGES,
+}
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+@dataclass
+class _Request:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+
+
+def _json_bytes(body: Any) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+async def _send_json(
+    send: Send, status: int, body: Any, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    data = _json_bytes(body)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+            + (headers or []),
+        }
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+class _Disconnect:
+    """Watches `receive` for the client going away once the body has been read."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.event = asyncio.Event()
+        self._task = asyncio.create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.event.set()
+                return
+
+    @property
+    def gone(self) -> bool:
+        return self.event.is_set()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+@dataclass
+class _Call:
+    """One model call in flight."""
+
+    fmt: ModuleType
+    prepared: Prepared
+    client_body: dict[str, Any]
+    send: Send
+    disconnect: _Disconnect
+    span: trace.Span
+    encoder: Any
+    headers_sent: bool = False
+    ttft: float | None = None
+    t0: float = field(default_factory=time.perf_counter)
+
+
+class ProxyApp:
+    """One trial's proxy. Give it to any ASGI server (the CLI uses uvicorn)."""
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("legorl.proxy")
+        self.trial: Trial | None = None
+        self.upstream: Upstream | None = None
+        self._admission: asyncio.Semaphore | None = None
+        self._startup_lock: asyncio.Lock | None = None
+        self.expected_format = _SETTING_FORMAT.get(settings.api_format or "")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        """Open the journal (recovering it) and the engine client; idempotent."""
+        if self.trial is not None:
+            return
+        self.trial = await asyncio.to_thread(Trial, self.settings, self.metrics)
+        self.upstream = Upstream(self.settings, self.metrics)
+        if self.settings.admission_max_sessions:
+            self._admission = asyncio.Semaphore(self.settings.admission_max_sessions)
+
+    async def shutdown(self) -> None:
+        if self.upstream is not None:
+            await self.upstream.close()
+        if self.trial is not None:
+            await asyncio.to_thread(self.trial.close)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if self.trial is None:
+            if self._startup_lock is None:
+                self._startup_lock = asyncio.Lock()
+            async with self._startup_lock:
+                await self.startup()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        path = scope["path"].rstrip("/") or "/"
+        if path.startswith("/v1/"):
+            path = path[3:]
+        request = _Request(scope["method"], path, scope.get("query_string", b"").decode("latin-1"), headers)
+        try:
+            await self._route(request, receive, send)
+        except ProxyError as error:
+            await _send_json(send, error.http_status, error_body(self._format_for(request), error))
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    log.exception("proxy startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    @staticmethod
+    def _format_for(request: _Request) -> ApiFormat | None:
+        if request.path.startswith("/messages") or "anthropic-version" in request.headers:
+            return ApiFormat.ANTHROPIC_MESSAGES
+        if request.path == "/responses":
+            return ApiFormat.OPENAI_RESPONSES
+        return ApiFormat.OPENAI_CHAT
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    async def _route(self, request: _Request, receive: Receive, send: Send) -> None:
+        method, path = request.method, request.path
+        if path in _FORMATS or path == "/messages/count_tokens":
+            if method != "POST":
+                raise ProxyError("method_not_allowed", f"{path} takes POST")
+            body = await self._read_json(request, receive)
+            if path == "/messages/count_tokens":
+                await self._count_tokens(body, send)
+            else:
+                await self._model_call(_FORMATS[path], body, request, receive, send)
+            return
+        if method == "HEAD" and path == "/":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if method == "GET":
+            handler = {
+                "/models": self._models,
+                "/health": self._health,
+                "/healthz": self._health,
+                "/ready": self._ready,
+                "/metrics": self._metrics,
+                "/trajectory": self._trajectory,
+                "/turns": self._turns,
+            }.get(path)
+            if handler is not None:
+                await handler(request, send)
+                return
+        if method == "POST" and path == "/finish":
+            await self._finish(await self._read_json(request, receive), send)
+            return
+        raise ProxyError("not_found", f"no route {method} {request.path}")
+
+    async def _read_json(self, request: _Request, receive: Receive) -> dict[str, Any]:
+        cap = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise ProxyError("too_large", f"the request body is over the proxy's {cap}-byte limit")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ProxyError("invalid_request", "the client went away before sending its body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > cap:
+                raise ProxyError("too_large", f"the request body is over the proxy's {cap}-byte limit")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ProxyError("invalid_request", f"the request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ProxyError("invalid_request", "the request body must be a JSON object")
+        return body
+
+    # -- model calls -----------------------------------------------------------------------------
+
+    async def _model_call(
+        self, fmt: ModuleType, body: dict[str, Any], request: _Request, receive: Receive, send: Send
+    ) -> None:
+        assert self.trial is not None and self.upstream is not None
+        api_format: ApiFormat = fmt.API_FORMAT
+        if self.expected_format is not None and api_format != self.expected_format:
+            self.metrics.inc("legorl_proxy_unexpected_format_total", api_format=api_format.value)
+        started = time.perf_counter()
+        outcome = "error"
+        self.metrics.add("legorl_proxy_in_flight", 1)
+        with self.tracer.start_as_current_span(
+            f"proxy {api_format.value}",
+            kind=SpanKind.SERVER,
+            attributes={"legorl.api_format": api_format.value},
+        ) as span:
+            disconnect = _Disconnect(receive)
+            try:
+                try:
+                    self.trial.admit()
+                except ProxyError as error:
+                    await self.trial.fail(error)
+                    raise
+                try:
+                    prepared = fmt.prepare(body, self.settings)
+                    span.set_attribute("legorl.stream", prepared.stream)
+                    call = _Call(
+                        fmt=fmt,
+                        prepared=prepared,
+                        client_body=body,
+                        send=send,
+                        disconnect=disconnect,
+                        span=span,
+                        encoder=fmt.Encoder(prepared) if prepared.stream else None,
+                    )
+                    if self._admission is not None:
+                        async with self._admission:
+                            outcome = await self._serve(call)
+                    else:
+                        outcome = await self._serve(call)
+                finally:
+                    self.trial.release()
+            except ProxyError as error:
+                span.set_status(Status(StatusCode.ERROR, error.message))
+                span.set_attribute("legorl.error_kind", error.kind)
+                if error.kind != "trial_finished":
+                    await self.trial.fail(error)
+                raise
+            finally:
+                disconnect.stop()
+                self.metrics.add("legorl_proxy_in_flight", -1)
+                elapsed = time.perf_counter() - started
+                self.metrics.observe("legorl_proxy_request_seconds", elapsed, api_format=api_format.value)
+                self.metrics.inc("legorl_proxy_requests_total", api_format=api_format.value, outcome=outcome)
+
+    async def _serve(self, call: _Call) -> str:
+        """One call to the engine; returns the outcome label for the metrics."""
+        assert self.trial is not None and self.upstream is not None
+        started_at = datetime.now(UTC)
+        version_before = await self.upstream.policy_version()
+        try:
+            with self.tracer.start_as_current_span("engine chat.completions", kind=SpanKind.CLIENT):
+                comp = await self._engine(call)
+            if comp is None:
+                return "disconnected"
+            if comp.finish_reason == "abort":
+                raise ProxyError(
+                    "engine_error", "the engine aborted the call (a weight update with pause mode abort?)"
+                )
+            version_after = await self.upstream.policy_version()
+            versions = [version_before] + ([version_after] if version_after != version_before else [])
+            final = call.fmt.response(call.prepared, comp)
+            turn = self.trial.build_turn(
+                call.fmt.API_FORMAT,
+                comp,
+                versions=versions,
+                started_at=started_at,
+                ttft=call.ttft,
+                request_body=json.dumps(call.client_body),
+                response_body=json.dumps(final),
+            )
+            if call.disconnect.gone:
+                return "disconnected"  # never acknowledged: the harness will ask again
+            with self.tracer.start_as_current_span("journal append"):
+                turn = await self.trial.record(turn)
+        except ProxyError as error:
+            if not call.headers_sent:
+                raise
+            # Mid-stream: the status line is gone, so the failure travels as the format's error event.
+            assert call.encoder is not None
+            await self.trial.fail(error)
+            await self._write(call.send, call.encoder.error(error))
+            await call.send({"type": "http.response.body", "body": b"", "more_body": False})
+            call.span.set_status(Status(StatusCode.ERROR, error.message))
+            return "error"
+        call.span.set_attributes(
+            {
+                "legorl.turn": turn.index,
+                "legorl.prompt_tokens": turn.prompt_tokens,
+                "legorl.completion_tokens": turn.completion_tokens,
+                "legorl.finish_reason": turn.finish_reason,
+                "legorl.policy_versions": turn.policy_versions,
+            }
+        )
+        if call.ttft is not None:
+            call.span.set_attribute("legorl.ttft_seconds", call.ttft)
+            self.metrics.observe("legorl_proxy_ttft_seconds", call.ttft)
+        await self._reply(call, comp, final)
+        return "ok"
+
+    async def _engine(self, call: _Call) -> Completion | None:
+        """The engine's whole answer, streaming deltas on to the harness as they come when both
+        sides stream; None if the harness went away mid-stream."""
+        assert self.upstream is not None
+        body = call.prepared.body
+        streaming = call.encoder is not None and not self.settings.capture_routed_experts
+        body["stream"] = streaming
+        if not streaming:
+            body.pop("stream_options", None)
+            return completion_from_response(await self.upstream.complete(body))
+        assert call.encoder is not None
+        acc = StreamAccumulator()
+        async with aclosing(self.upstream.stream(body)) as chunks:
+            async for data in chunks:
+                events = acc.feed(data)
+                if not call.headers_sent and acc.started:
+                    await call.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                    await self._write(call.send, call.encoder.head(acc.completion))
+                    call.headers_sent = True
+                for event in events:
+                    if call.ttft is None and isinstance(event, TextDelta | ToolCallStart):
+                        call.ttft = time.perf_counter() - call.t0
+                    await self._write(call.send, call.encoder.event(event))
+                if call.disconnect.gone:
+                    # Closing the stream aborts the request in the engine too.
+                    return None
+        return acc.result()
+
+    async def _reply(self, call: _Call, comp: Completion, final: dict[str, Any]) -> None:
+        """The answer, or the end of the stream, once the turn is durable."""
+        if call.encoder is None:
+            await _send_json(call.send, 200, final)
+            return
+        if not call.headers_sent:
+            # The engine was called unstreamed (routing capture): replay the whole answer as a stream.
+            await call.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            await self._write(call.send, call.encoder.head(comp))
+            for event in events_from_completion(comp):
+                await self._write(call.send, call.encoder.event(event))
+        await self._write(call.send, call.encoder.tail(comp))
+        await call.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    @staticmethod
+    async def _write(send: Send, chunks: list[bytes]) -> None:
+        if chunks:
+            await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
+
+    async def _count_tokens(self, body: dict[str, Any], send: Send) -> None:
+        assert self.upstream is not None
+        body = {**body, "max_tokens": body.get("max_tokens") or 1}
+        prepared = anthropic.prepare(body, self.settings)
+        request: dict[str, Any] = {
+            "model": self.settings.served_model_name,
+            "messages": prepared.body["messages"],
+            "add_generation_prompt": True,
+        }
+        if "tools" in prepared.body:
+            request["tools"] = prepared.body["tools"]
+        data = await self.upstream.tokenize(request)
+        count = data.get("count")
+        if not isinstance(count, int):
+            raise ProxyError("engine_error", "the engine's /tokenize answer has no count")
+        await _send_json(send, 200, {"input_tokens": count})
+
+    # -- everything else -------------------------------------------------------------------------
+
+    async def _models(self, request: _Request, send: Send) -> None:
+        name = self.settings.served_model_name
+        if "anthropic-version" in request.headers:
+            model: dict[str, Any] = {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+            await _send_json(
+                send, 200, {"data": [model], "has_more": False, "first_id": name, "last_id": name}
+            )
+            return
+        listed: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "legorl"}
+        await _send_json(send, 200, {"object": "list", "data": [listed]})
+
+    async def _health(self, request: _Request, send: Send) -> None:
+        await _send_json(send, 200, {"status": "ok"})
+
+    async def _ready(self, request: _Request, send: Send) -> None:
+        ready = self.trial is not None
+        await _send_json(send, 200 if ready else 503, {"ready": ready})
+
+    async def _metrics(self, request: _Request, send: Send) -> None:
+        data = self.metrics.render().encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
+            }
+        )
+        await send({"type": "http.response.body", "body": data})
+
+    async def _trajectory(self, request: _Request, send: Send) -> None:
+        assert self.trial is not None
+        tokens = "tokens=false" not in request.query
+        await _send_json(send, 200, self.trial.trajectory(tokens=tokens))
+
+    async def _turns(self, request: _Request, send: Send) -> None:
+        assert self.trial is not None
+        await _send_json(send, 200, {"turns": [turn_to_record(t) for t in self.trial.turns]})
+
+    async def _finish(self, body: dict[str, Any], send: Send) -> None:
+        assert self.trial is not None
+        reason = body.get("reason")
+        try:
+            termination = TerminationReason(str(reason))
+        except ValueError:
+            allowed = ", ".join(r.value for r in TerminationReason)
+            raise ProxyError("invalid_request", f"reason must be one of: {allowed}", param="reason") from None
+        exit_code = body.get("exitCode")
+        if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):
+            raise ProxyError("invalid_request", "exitCode must be an integer", param="exitCode")
+        detail = body.get("detail")
+        if detail is not None and not isinstance(detail, str):
+            raise ProxyError("invalid_request", "detail must be a string", param="detail")
+        end = await self.trial.finish(termination, detail, exit_code)
+        await _send_json(send, 200, {"end": end.to_json(), **self.trial.trajectory(tokens=False)})

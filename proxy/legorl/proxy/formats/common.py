@@ -1,0 +1,398 @@
+"""What the three client formats share: the engine's answer in one normalised shape.
+
+Every client format is translated to one upstream call, vLLM's `/v1/chat/completions` with
+`return_token_ids` and `logprobs` on, so the chat template, the tool parser and the tokenizer are
+the engine's own and there is one capture path. The answer (a whole response, or a stream of
+chunks) is normalised here into a `Completion` plus stream `Event`s; each format module turns
+those into its own schema.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from legorl.proxy.errors import ProxyError
+
+__all__ = [
+    "Completion",
+    "Event",
+    "Prepared",
+    "ReasoningDelta",
+    "StreamAccumulator",
+    "TextDelta",
+    "ToolCall",
+    "ToolCallArgs",
+    "ToolCallStart",
+    "completion_from_response",
+    "new_id",
+]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class Prepared:
+    """A client request translated for the engine."""
+
+    body: dict[str, Any]
+    """The `/v1/chat/completions` body sent upstream."""
+    stream: bool
+    """The client asked for a stream."""
+    client_model: str
+    """The model name the client asked for (echoed back; the engine serves its own)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Format-specific things the answer needs (whether logprobs or usage were asked for...)."""
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class Completion:
+    """One engine call, normalised: what the client sees and what the journal records."""
+
+    id: str
+    created: int
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str = "stop"
+    stop_reason: str | int | None = None
+    """The stop string (or token id) that ended generation, when one did."""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    completion_token_ids: list[int] = field(default_factory=list)
+    completion_logprobs: list[float] = field(default_factory=list)
+    logprobs_content: list[dict[str, Any]] = field(default_factory=list)
+    """The engine's per-token logprob entries (returned to clients that asked for them)."""
+    routed_experts: str | None = None
+    """The engine's base64 `.npy` of routed experts, undecoded."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def content_filtered(self) -> bool:
+        return self.finish_reason == "content_filter"
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    logprobs: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArgs:
+    index: int
+    delta: str
+
+
+Event = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgs
+
+
+def _garbage(message: str) -> ProxyError:
+    return ProxyError("engine_error", f"the engine sent a malformed answer: {message}")
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+        raise _garbage(f"{what} is not a list of token ids")
+    return value
+
+
+def _logprob_values(entries: list[dict[str, Any]]) -> list[float]:
+    values = []
+    for entry in entries:
+        value = entry.get("logprob") if isinstance(entry, dict) else None
+        if not isinstance(value, int | float):
+            raise _garbage("a logprob entry has no numeric logprob")
+        values.append(float(value))
+    return values
+
+
+def _choice(body: dict[str, Any]) -> dict[str, Any]:
+    choices = body.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise _garbage("expected exactly one choice")
+    return choices[0]
+
+
+def completion_from_response(body: Any) -> Completion:
+    """Normalise a non-streaming `/v1/chat/completions` answer."""
+    if not isinstance(body, dict):
+        raise _garbage("the body is not a JSON object")
+    choice = _choice(body)
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise _garbage("the choice has no message")
+    logprobs = choice.get("logprobs") or {}
+    entries = logprobs.get("content") or [] if isinstance(logprobs, dict) else []
+    tool_calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        tool_calls.append(
+            ToolCall(
+                id=str(call.get("id") or new_id("call_")),
+                name=str(function.get("name", "")),
+                arguments=str(function.get("arguments") or ""),
+            )
+        )
+    usage = body.get("usage") or {}
+    prompt_ids = _int_list(body.get("prompt_token_ids"), "prompt_token_ids")
+    completion_ids = _int_list(choice.get("token_ids"), "token_ids")
+    return Completion(
+        id=str(body.get("id") or new_id("chatcmpl-")),
+        created=int(body.get("created") or time.time()),
+        text=message.get("content") or "",
+        reasoning=message.get("reasoning_content") or message.get("reasoning") or "",
+        tool_calls=tool_calls,
+        finish_reason=str(choice.get("finish_reason") or "stop"),
+        stop_reason=choice.get("stop_reason"),
+        prompt_token_ids=prompt_ids,
+        completion_token_ids=completion_ids,
+        completion_logprobs=_logprob_values(entries),
+        logprobs_content=list(entries),
+        routed_experts=choice.get("routed_experts"),
+        prompt_tokens=int(usage.get("prompt_tokens") or len(prompt_ids)),
+        completion_tokens=int(usage.get("completion_tokens") or len(completion_ids)),
+    )
+
+
+class StreamAccumulator:
+    """Folds a `/v1/chat/completions` SSE stream into events and, at the end, a `Completion`."""
+
+    def __init__(self) -> None:
+        self.completion = Completion(id=new_id("chatcmpl-"), created=int(time.time()))
+        self.started = False
+        """True once the first chunk with a choice or the prompt's token ids arrived."""
+        self.finished = False
+        self._tool_index: dict[int, int] = {}
+        self._prompt_seen = False
+
+    def feed(self, data: str) -> list[Event]:
+        """One SSE `data:` payload; returns the client-visible events it carries."""
+        if data.strip() == "[DONE]":
+            self.finished = True
+            return []
+        try:
+            chunk = json.loads(data)
+        except ValueError as exc:
+            raise _garbage(f"a stream chunk is not JSON ({exc})") from exc
+        if not isinstance(chunk, dict):
+            raise _garbage("a stream chunk is not a JSON object")
+        if "error" in chunk and "choices" not in chunk:
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else str(error)
+            raise ProxyError("engine_error", f"the engine failed mid-stream: {message}")
+        comp = self.completion
+        if chunk.get("id"):
+            comp.id = str(chunk["id"])
+        if chunk.get("created"):
+            comp.created = int(chunk["created"])
+        if chunk.get("prompt_token_ids") is not None:
+            comp.prompt_token_ids = _int_list(chunk["prompt_token_ids"], "prompt_token_ids")
+            self._prompt_seen = True
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            comp.prompt_tokens = int(usage.get("prompt_tokens") or comp.prompt_tokens)
+            comp.completion_tokens = int(usage.get("completion_tokens") or comp.completion_tokens)
+        events: list[Event] = []
+        choices = chunk.get("choices") or []
+        if not isinstance(choices, list) or len(choices) > 1:
+            raise _garbage("expected at most one choice per chunk")
+        for choice in choices:
+            self.started = True
+            events.extend(self._choice(choice))
+        if self._prompt_seen:
+            self.started = True
+        return events
+
+    def _choice(self, choice: dict[str, Any]) -> list[Event]:
+        comp = self.completion
+        events: list[Event] = []
+        if choice.get("token_ids"):
+            comp.completion_token_ids.extend(_int_list(choice["token_ids"], "token_ids"))
+        logprobs = choice.get("logprobs")
+        entries = (logprobs.get("content") or []) if isinstance(logprobs, dict) else []
+        comp.completion_logprobs.extend(_logprob_values(entries))
+        comp.logprobs_content.extend(entries)
+        if choice.get("routed_experts") is not None:
+            comp.routed_experts = choice["routed_experts"]
+        delta = choice.get("delta") or {}
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if reasoning:
+            comp.reasoning += reasoning
+            events.append(ReasoningDelta(reasoning))
+        if delta.get("content"):
+            comp.text += delta["content"]
+            events.append(TextDelta(delta["content"], list(entries)))
+        for call in delta.get("tool_calls") or []:
+            index = int(call.get("index", 0))
+            function = call.get("function") or {}
+            if index not in self._tool_index:
+                self._tool_index[index] = len(comp.tool_calls)
+                tool = ToolCall(
+                    id=str(call.get("id") or new_id("call_")),
+                    name=str(function.get("name") or ""),
+                    arguments="",
+                )
+                comp.tool_calls.append(tool)
+                events.append(ToolCallStart(self._tool_index[index], tool.id, tool.name))
+            tool = comp.tool_calls[self._tool_index[index]]
+            if function.get("name") and not tool.name:
+                tool.name = function["name"]
+            if function.get("arguments"):
+                tool.arguments += function["arguments"]
+                events.append(ToolCallArgs(self._tool_index[index], function["arguments"]))
+        if choice.get("finish_reason"):
+            comp.finish_reason = str(choice["finish_reason"])
+            comp.stop_reason = choice.get("stop_reason")
+        return events
+
+    def result(self) -> Completion:
+        comp = self.completion
+        if not self.finished:
+            raise _garbage("the stream ended before [DONE]")
+        if not comp.prompt_tokens:
+            comp.prompt_tokens = len(comp.prompt_token_ids)
+        if not comp.completion_tokens:
+            comp.completion_tokens = len(comp.completion_token_ids)
+        return comp
+
+
+def number(body: dict[str, Any], key: str, *, low: float, high: float) -> float | None:
+    """An optional numeric field, checked, or a 400 that names it."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise ProxyError("invalid_request", f"{key} must be a number in [{low}, {high}]", param=key)
+    return float(value)
+
+
+def positive_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ProxyError("invalid_request", f"{key} must be a positive integer", param=key)
+    return value
+
+
+def string_list(value: Any, key: str) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise ProxyError("invalid_request", f"{key} must be a string or a list of strings", param=key)
+
+
+def check_function_tool(name: Any, parameters: Any, where: str) -> None:
+    """A function tool the engine's template and parser can use: a name and an object schema."""
+    if not isinstance(name, str) or not name:
+        raise ProxyError("invalid_request", f"{where}: a tool needs a non-empty string name", param=where)
+    if parameters is not None and not isinstance(parameters, dict):
+        raise ProxyError(
+            "invalid_request", f"{where} ({name}): the tool's schema must be a JSON object", param=where
+        )
+
+
+def engine_body(
+    *,
+    messages: list[dict[str, Any]],
+    stream: bool,
+    settings: Any,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    stop: list[str] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: Any = None,
+    top_logprobs: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `/v1/chat/completions` body sent to the engine, with capture on and the run's sampling
+    enforced over the harness's (`settings` is the proxy's `ProxySettings`)."""
+    body: dict[str, Any] = {
+        "model": settings.served_model_name,
+        "messages": messages,
+        "stream": stream,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    if top_logprobs:
+        body["top_logprobs"] = top_logprobs
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    cap = settings.max_tokens
+    if max_tokens is not None or cap is not None:
+        body["max_tokens"] = min(v for v in (max_tokens, cap) if v is not None)
+    temperature = settings.temperature if settings.temperature is not None else temperature
+    if temperature is not None:
+        body["temperature"] = temperature
+    top_p = settings.top_p if settings.top_p is not None else top_p
+    if top_p is not None:
+        body["top_p"] = top_p
+    if stop:
+        body["stop"] = stop
+    if tools:
+        body["tools"] = tools
+        if tool_choice is not None:
+            body["tool_choice"] = tool_choice
+    if extra:
+        body.update(extra)
+    return body
+
+
+def events_from_completion(comp: Completion) -> list[Event]:
+    """A whole answer replayed as stream events (when the engine had to be called unstreamed)."""
+    events: list[Event] = []
+    if comp.reasoning:
+        events.append(ReasoningDelta(comp.reasoning))
+    if comp.text:
+        events.append(TextDelta(comp.text, comp.logprobs_content))
+    for i, call in enumerate(comp.tool_calls):
+        events.append(ToolCallStart(i, call.id, call.name))
+        if call.arguments:
+            events.append(ToolCallArgs(i, call.arguments))
+    return events
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    """One server-sent event."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+def parse_arguments(arguments: str) -> dict[str, Any]:
+    """Tool-call arguments as an object, for formats that carry them parsed (Anthropic's input).
+    Arguments a model produced that are not a JSON object are kept, wrapped, not dropped."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return {"_raw_arguments": arguments}
+    return value if isinstance(value, dict) else {"_raw_arguments": arguments}

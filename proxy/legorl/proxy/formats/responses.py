@@ -1,0 +1,395 @@
+"""OpenAI Responses: input items translated to chat messages, the answer as output items.
+
+Codex resends the whole history every turn (`store: false`), so a stateless translation is
+complete; `previous_response_id` (server-side history) is refused with a clear error. Hosted tools
+(`web_search`, `namespace`, ...) and reasoning items are dropped: the engine cannot run them.
+The stream always ends with `response.completed` (a truncated answer carries status
+`incomplete`), because Codex retries any stream that does not.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from legorl.api.trajectory import ApiFormat
+from legorl.proxy.errors import ProxyError, error_body
+from legorl.proxy.formats.common import (
+    Completion,
+    Event,
+    Prepared,
+    TextDelta,
+    ToolCallArgs,
+    ToolCallStart,
+    check_function_tool,
+    engine_body,
+    new_id,
+    number,
+    positive_int,
+    sse,
+)
+
+API_FORMAT = ApiFormat.OPENAI_RESPONSES
+
+_TEXT_PARTS = {"input_text", "output_text", "text", "refusal"}
+
+
+def _content(value: Any, where: str) -> str | list[dict[str, Any]]:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ProxyError("invalid_request", f"{where} must be a string or a list of parts", param=where)
+    parts: list[dict[str, Any]] = []
+    for i, part in enumerate(value):
+        if not isinstance(part, dict):
+            raise ProxyError("invalid_request", f"{where}[{i}] must be an object", param=where)
+        kind = part.get("type")
+        if kind in _TEXT_PARTS:
+            text = part.get("text", part.get("refusal"))
+            if not isinstance(text, str):
+                raise ProxyError("invalid_request", f"{where}[{i}].text must be a string", param=where)
+            parts.append({"type": "text", "text": text})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+def _output_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "\n".join(
+            p.get("text", "") for p in value if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return json.dumps(value)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise ProxyError("invalid_request", "instructions must be a string", param="instructions")
+        out.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise ProxyError(
+            "invalid_request", "input must be a string or a non-empty list of items", param="input"
+        )
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ProxyError("invalid_request", f"{where} must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise ProxyError(
+                    "invalid_request",
+                    f"{where}.role must be user, assistant, system or developer",
+                    param=where,
+                )
+            content = _content(item.get("content"), f"{where}.content")
+            out.append({"role": "system" if role == "developer" else role, "content": content})
+        elif kind == "function_call":
+            name, call_id = item.get("name"), item.get("call_id")
+            if not isinstance(name, str) or not isinstance(call_id, str):
+                raise ProxyError(
+                    "invalid_request", f"{where}: function_call needs name and call_id", param=where
+                )
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": str(item.get("arguments") or "")},
+            }
+            # Consecutive calls belong to one assistant turn (parallel tool calls).
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise ProxyError(
+                    "invalid_request", f"{where}: function_call_output needs call_id", param=where
+                )
+            out.append({"role": "tool", "tool_call_id": call_id, "content": _output_text(item.get("output"))})
+        # reasoning, web_search_call and other hosted-tool items: nothing the engine can replay.
+    return out
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ProxyError("invalid_request", "tools must be a list", param="tools")
+    tools = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise ProxyError("invalid_request", f"tools[{i}] must be an object", param="tools")
+        if tool.get("type") != "function":
+            continue
+        check_function_tool(tool.get("name"), tool.get("parameters"), f"tools[{i}]")
+        function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        tools.append({"type": "function", "function": function})
+    return tools or None
+
+
+def _tool_choice(value: Any) -> Any:
+    if value is None or value in ("auto", "none", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
+        return {"type": "function", "function": {"name": value["name"]}}
+    if isinstance(value, dict):
+        return "auto"  # hosted-tool choices: the engine has none of those tools
+    raise ProxyError(
+        "invalid_request", "tool_choice must be auto, none, required or a function", param="tool_choice"
+    )
+
+
+def prepare(body: dict[str, Any], settings: Any) -> Prepared:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ProxyError("invalid_request", "model is required", param="model")
+    if body.get("previous_response_id"):
+        raise ProxyError(
+            "invalid_request",
+            "previous_response_id is not supported: the proxy stores no responses; send the whole input",
+            param="previous_response_id",
+        )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ProxyError("invalid_request", "stream must be a boolean", param="stream")
+    tools = _tools(body.get("tools"))
+    upstream = engine_body(
+        messages=_messages(body),
+        stream=stream,
+        settings=settings,
+        max_tokens=positive_int(body, "max_output_tokens"),
+        temperature=number(body, "temperature", low=0.0, high=2.0),
+        top_p=number(body, "top_p", low=0.0, high=1.0),
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice")) if tools else None,
+    )
+    echo = {
+        "instructions": body.get("instructions"),
+        "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice") or "auto",
+        "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
+        "temperature": upstream.get("temperature"),
+        "top_p": upstream.get("top_p"),
+        "max_output_tokens": body.get("max_output_tokens"),
+    }
+    return Prepared(body=upstream, stream=stream, client_model=model, options={"echo": echo})
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text else [],
+    }
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _response(
+    prepared: Prepared,
+    *,
+    response_id: str,
+    created: float,
+    status: str,
+    output: list[dict[str, Any]],
+    comp: Completion | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": prepared.client_model,
+        "output": output,
+        "error": None,
+        "incomplete_details": None,
+        **prepared.options["echo"],
+    }
+    if comp is not None:
+        if comp.finish_reason == "length":
+            body["incomplete_details"] = {"reason": "max_output_tokens"}
+        body["usage"] = {
+            "input_tokens": comp.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": comp.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": comp.prompt_tokens + comp.completion_tokens,
+        }
+    return body
+
+
+def _status(comp: Completion) -> str:
+    return "incomplete" if comp.finish_reason == "length" else "completed"
+
+
+def response(prepared: Prepared, comp: Completion) -> dict[str, Any]:
+    output = []
+    if comp.text:
+        output.append(_message_item(new_id("msg_"), comp.text, "completed"))
+    for call in comp.tool_calls:
+        output.append(_call_item(new_id("fc_"), call.id, call.name, call.arguments, "completed"))
+    return _response(
+        prepared,
+        response_id=new_id("resp_"),
+        created=comp.created,
+        status=_status(comp),
+        output=output,
+        comp=comp,
+    )
+
+
+class Encoder:
+    """The Responses event stream, every event numbered."""
+
+    def __init__(self, prepared: Prepared) -> None:
+        self.prepared = prepared
+        self._seq = 0
+        self._id = new_id("resp_")
+        self._created = time.time()
+        self._output: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._text = ""
+
+    def _event(self, kind: str, **data: Any) -> bytes:
+        event = {"type": kind, "sequence_number": self._seq, **data}
+        self._seq += 1
+        return sse(event, kind)
+
+    def head(self, comp: Completion) -> list[bytes]:
+        self._created = comp.created or self._created
+        response = _response(
+            self.prepared,
+            response_id=self._id,
+            created=self._created,
+            status="in_progress",
+            output=[],
+            comp=None,
+        )
+        return [
+            self._event("response.created", response=response),
+            self._event("response.in_progress", response=response),
+        ]
+
+    def _close(self) -> list[bytes]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = len(self._output)
+        out = []
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": self._text, "annotations": [], "logprobs": []}
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            out.append(self._event("response.output_text.done", **where, text=self._text, logprobs=[]))
+            out.append(self._event("response.content_part.done", **where, part=part))
+            item = _message_item(item["id"], self._text, "completed")
+        else:
+            out.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+            item = {**item, "status": "completed"}
+        out.append(self._event("response.output_item.done", output_index=index, item=item))
+        self._output.append(item)
+        return out
+
+    def event(self, event: Event) -> list[bytes]:
+        out: list[bytes] = []
+        index = len(self._output)
+        if isinstance(event, TextDelta):
+            if self._open is None or self._open["type"] != "message":
+                out.extend(self._close())
+                index = len(self._output)
+                self._open = {"type": "message", "id": new_id("msg_")}
+                self._text = ""
+                item = {**_message_item(self._open["id"], "", "in_progress"), "content": []}
+                out.append(self._event("response.output_item.added", output_index=index, item=item))
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                out.append(
+                    self._event(
+                        "response.content_part.added",
+                        item_id=self._open["id"],
+                        output_index=index,
+                        content_index=0,
+                        part=part,
+                    )
+                )
+            self._text += event.text
+            out.append(
+                self._event(
+                    "response.output_text.delta",
+                    item_id=self._open["id"],
+                    output_index=index,
+                    content_index=0,
+                    delta=event.text,
+                    logprobs=[],
+                )
+            )
+        elif isinstance(event, ToolCallStart):
+            out.extend(self._close())
+            index = len(self._output)
+            self._open = _call_item(new_id("fc_"), event.id, event.name, "", "in_progress")
+            out.append(self._event("response.output_item.added", output_index=index, item=dict(self._open)))
+        elif (
+            isinstance(event, ToolCallArgs)
+            and self._open is not None
+            and self._open["type"] == "function_call"
+        ):
+            self._open["arguments"] += event.delta
+            out.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=self._open["id"],
+                    output_index=index,
+                    delta=event.delta,
+                )
+            )
+        return out
+
+    def tail(self, comp: Completion) -> list[bytes]:
+        out = self._close()
+        response = _response(
+            self.prepared,
+            response_id=self._id,
+            created=self._created,
+            status=_status(comp),
+            output=self._output,
+            comp=comp,
+        )
+        out.append(self._event("response.completed", response=response))
+        return out
+
+    def error(self, error: ProxyError) -> list[bytes]:
+        body = error_body(API_FORMAT, error)["error"]
+        return [self._event("error", code=body["code"], message=body["message"], param=body["param"])]

@@ -1,0 +1,237 @@
+"""The turn journal: append-only, checksummed, fsync'd before the harness gets its answer.
+
+One file per trial, `DIR/journal.log`, a sequence of records:
+
+    [u32 little-endian payload length][u32 CRC-32 of the payload][payload: UTF-8 JSON]
+
+A record is acknowledged once its bytes and the file are fsync'd; the proxy answers the harness
+only after that. A crash can leave a torn tail (a short header, a short payload, or a payload
+whose checksum does not match): opening the journal detects it, truncates the file back to the
+last whole record and reports how many bytes it dropped. A torn record was never acknowledged, so
+nothing acknowledged is lost.
+
+Writers on the event loop hand records to one writer thread, which writes everything queued and
+fsyncs once for the lot (group commit): concurrent sessions share the fsync instead of queueing
+behind one another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from legorl.api.trajectory import Turn
+
+__all__ = ["Journal", "JournalError", "Recovered", "read_journal", "turn_from_record", "turn_to_record"]
+
+log = logging.getLogger(__name__)
+
+FILENAME = "journal.log"
+_HEADER = struct.Struct("<II")
+MAX_RECORD_BYTES = 1 << 30
+"""A length above this is corruption, not a record."""
+
+
+class JournalError(RuntimeError):
+    """The journal could not be written; the turn is not acknowledged."""
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What opening an existing journal found."""
+
+    records: list[dict[str, Any]]
+    dropped_bytes: int
+    """Bytes of a torn tail that were cut off (0 for a clean journal)."""
+
+
+def _scan(data: bytes) -> tuple[list[dict[str, Any]], int]:
+    """Whole records in `data` and the offset just past the last one."""
+    records: list[dict[str, Any]] = []
+    pos = 0
+    while pos + _HEADER.size <= len(data):
+        length, crc = _HEADER.unpack_from(data, pos)
+        start = pos + _HEADER.size
+        end = start + length
+        if length > MAX_RECORD_BYTES or end > len(data):
+            break
+        payload = data[start:end]
+        if zlib.crc32(payload) != crc:
+            break
+        try:
+            record = json.loads(payload)
+        except ValueError:
+            break
+        if not isinstance(record, dict):
+            break
+        records.append(record)
+        pos = end
+    return records, pos
+
+
+def read_journal(directory: str | Path) -> Recovered:
+    """Read a journal without changing it (a torn tail is reported, not cut)."""
+    path = Path(directory) / FILENAME
+    if not path.exists():
+        return Recovered(records=[], dropped_bytes=0)
+    data = path.read_bytes()
+    records, end = _scan(data)
+    return Recovered(records=records, dropped_bytes=len(data) - end)
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    payload = json.dumps(record, separators=(",", ":"), allow_nan=False).encode()
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+@dataclass
+class _Pending:
+    data: bytes
+    done: Callable[[BaseException | None], None]
+
+
+class Journal:
+    """An open journal: `await append(record)` returns once the record is durable."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        fsync: bool = True,
+        on_sync: Callable[[float, int], None] | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / FILENAME
+        self._fsync = fsync
+        self._on_sync = on_sync
+        data = self.path.read_bytes() if self.path.exists() else b""
+        records, end = _scan(data)
+        self.recovered = Recovered(records=records, dropped_bytes=len(data) - end)
+        # O_APPEND after truncating the torn tail: every write lands at the end, whole.
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        if end != len(data):
+            log.warning(
+                "journal %s: dropped a torn tail of %d bytes after %d whole records",
+                self.path,
+                len(data) - end,
+                len(records),
+            )
+            os.ftruncate(self._fd, end)
+            os.fsync(self._fd)
+        self._sync_dir()
+        self._cond = threading.Condition()
+        self._queue: list[_Pending] = []
+        self._closed = False
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._writer, name="legorl-journal", daemon=True)
+        self._thread.start()
+
+    def _sync_dir(self) -> None:
+        # The file's directory entry must be durable too, or a crash can lose the whole file.
+        if not self._fsync:
+            return
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def _writer(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                batch, self._queue = self._queue, []
+                closing = self._closed
+            if batch:
+                self._write_batch(batch)
+            if closing and not batch:
+                return
+
+    def _write_batch(self, batch: list[_Pending]) -> None:
+        error: BaseException | None = self._failed
+        if error is None:
+            try:
+                blob = b"".join(p.data for p in batch)
+                view = memoryview(blob)
+                while view:
+                    written = os.write(self._fd, view)
+                    view = view[written:]
+                started = time.perf_counter()
+                if self._fsync:
+                    os.fsync(self._fd)
+                if self._on_sync is not None:
+                    self._on_sync(time.perf_counter() - started, len(batch))
+            except OSError as exc:
+                # A failed write may have left part of a record behind; nothing after it can be
+                # trusted to append cleanly, so the journal refuses every later record.
+                self._failed = error = exc
+                log.error("journal %s: write failed: %s", self.path, exc)
+        for pending in batch:
+            pending.done(error)
+
+    async def append(self, record: dict[str, Any]) -> None:
+        """Write one record and wait until it is on disk; raises JournalError if it is not."""
+        data = encode_record(record)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def done(error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(_settle, future, error)
+
+        with self._cond:
+            if self._closed:
+                raise JournalError("journal is closed")
+            self._queue.append(_Pending(data, done))
+            self._cond.notify()
+        await asyncio.shield(future)
+
+    def close(self) -> None:
+        """Flush what is queued, stop the writer and close the file."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+        os.close(self._fd)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(read_journal(self.directory).records)
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(JournalError(f"journal write failed: {error}"))
+
+
+def turn_to_record(turn: Turn) -> dict[str, Any]:
+    """A turn as a JSON journal record (timestamps as ISO strings, floats exactly as vLLM sent)."""
+    row = turn.to_row()
+    row["started_at"] = turn.started_at.isoformat()
+    row["ended_at"] = turn.ended_at.isoformat()
+    return {"type": "turn", **row}
+
+
+def turn_from_record(record: dict[str, Any]) -> Turn:
+    from datetime import datetime  # noqa: PLC0415 - only readers need it
+
+    row = dict(record)
+    row["started_at"] = datetime.fromisoformat(row["started_at"])
+    row["ended_at"] = datetime.fromisoformat(row["ended_at"])
+    return Turn.from_row(row)

@@ -1,0 +1,278 @@
+"""One trial as the proxy sees it: its journaled turns, its failures and how it ended.
+
+State lives in the journal: on start the proxy reads it back (dropping a torn tail), so a
+restarted proxy continues the turn numbering, keeps every acknowledged turn, and remembers an
+end state it had already recorded.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from legorl.api.termination import TerminationReason
+from legorl.api.trajectory import ApiFormat, TrajectoryError, Turn
+from legorl.proxy.errors import ProxyError
+from legorl.proxy.formats.common import Completion
+from legorl.proxy.journal import Journal, JournalError, turn_from_record, turn_to_record
+from legorl.proxy.metrics import Metrics
+from legorl.proxy.segments import Assembler
+from legorl.proxy.settings import ProxySettings
+
+__all__ = ["EndState", "Trial", "decode_routed_experts"]
+
+log = logging.getLogger(__name__)
+
+
+def decode_routed_experts(encoded: str) -> tuple[list[int], tuple[int, int, int]]:
+    """vLLM's routed experts: base64 of a `.npy` array shaped (tokens - 1, layers, top_k)."""
+    import numpy as np  # noqa: PLC0415 - only fleets that capture routing need numpy
+
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+    except (binascii.Error, ValueError, OSError) as exc:
+        raise ProxyError("engine_error", f"routed_experts is not a base64 .npy array: {exc}") from exc
+    if array.ndim != 3 or array.dtype.kind not in "iu":
+        raise ProxyError(
+            "engine_error",
+            f"routed_experts must be an integer array of 3 dimensions, got {array.dtype}{array.shape}",
+        )
+    if array.size and (array.min() < 0 or array.max() > 65535):
+        raise ProxyError("engine_error", "routed_experts holds expert ids outside [0, 65535]")
+    rows, layers, top_k = (int(d) for d in array.shape)
+    return array.astype(np.uint16).reshape(-1).tolist(), (rows, layers, top_k)
+
+
+@dataclass(frozen=True)
+class EndState:
+    """How the trial ended, and who said so."""
+
+    reason: TerminationReason
+    source: str  # "proxy" (it saw the failure) or "harness" (POST /finish)
+    detail: str | None
+    exit_code: int | None
+    ended_at: datetime
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason.value,
+            "source": self.source,
+            "detail": self.detail,
+            "exitCode": self.exit_code,
+            "endedAt": self.ended_at.isoformat(),
+        }
+
+
+class Trial:
+    """The trial's turns, journaled before any harness sees an answer."""
+
+    def __init__(self, settings: ProxySettings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.journal = Journal(settings.journal, fsync=settings.fsync, on_sync=self._on_sync)
+        self.turns: list[Turn] = []
+        self.end: EndState | None = None
+        self.last_failure: ProxyError | None = None
+        self.errors: dict[str, int] = {}
+        for record in self.journal.recovered.records:
+            if record.get("type") == "turn":
+                self.turns.append(turn_from_record(record))
+            elif record.get("type") == "end":
+                self.end = EndState(
+                    reason=TerminationReason(record["reason"]),
+                    source=record["source"],
+                    detail=record.get("detail"),
+                    exit_code=record.get("exitCode"),
+                    ended_at=datetime.fromisoformat(record["endedAt"]),
+                )
+        self.turns.sort(key=lambda t: t.index)
+        self.assembler = Assembler()
+        for turn in self.turns:
+            self.assembler.add(turn)
+        self.next_index = max((t.index for t in self.turns), default=-1) + 1
+        self._reserved = 0
+        if self.turns or self.end:
+            log.info(
+                "journal %s: resumed with %d turns%s (torn tail: %d bytes)",
+                settings.journal,
+                len(self.turns),
+                f", ended {self.end.reason.value}" if self.end else "",
+                self.journal.recovered.dropped_bytes,
+            )
+        self._update_gauges()
+
+    def _on_sync(self, seconds: float, records: int) -> None:
+        self.metrics.observe("legorl_proxy_journal_fsync_seconds", seconds)
+        self.metrics.observe("legorl_proxy_journal_batch_records", records)
+
+    def close(self) -> None:
+        self.journal.close()
+
+    def admit(self) -> None:
+        """Refuse a call once the trial has ended or used its turn budget."""
+        if self.end is not None:
+            raise ProxyError(
+                "trial_finished",
+                f"this trial ended ({self.end.reason.value}); the proxy serves no more calls",
+            )
+        limit = self.settings.max_turns
+        if limit is not None and self.next_index + self._reserved >= limit:
+            raise ProxyError("trial_finished", f"the trial's turn budget ({limit} turns) is used up")
+        self._reserved += 1
+
+    def release(self) -> None:
+        self._reserved -= 1
+
+    def build_turn(
+        self,
+        api_format: ApiFormat,
+        comp: Completion,
+        *,
+        versions: list[str],
+        started_at: datetime,
+        ttft: float | None,
+        request_body: str | None,
+        response_body: str | None,
+    ) -> Turn:
+        """Check the engine's answer against the contract and make it a turn (index set on record)."""
+        if not comp.prompt_token_ids:
+            raise ProxyError(
+                "engine_error", "the engine returned no prompt token ids (does it support return_token_ids?)"
+            )
+        if len(comp.completion_logprobs) != len(comp.completion_token_ids):
+            raise ProxyError(
+                "engine_error",
+                f"the engine returned {len(comp.completion_logprobs)} logprobs for "
+                f"{len(comp.completion_token_ids)} tokens",
+            )
+        routed, shape = None, None
+        if comp.routed_experts is not None:
+            routed, shape = decode_routed_experts(comp.routed_experts)
+        elif self.settings.capture_routed_experts:
+            raise ProxyError(
+                "engine_error",
+                "the fleet is set to capture routed experts but the engine returned none "
+                "(is --enable-return-routed-experts on?)",
+            )
+        turn = Turn(
+            run=self.settings.run,
+            trial=self.settings.trial,
+            session=self.settings.trial,
+            index=-1,
+            api_format=api_format,
+            prompt_token_ids=comp.prompt_token_ids,
+            completion_token_ids=comp.completion_token_ids,
+            completion_logprobs=comp.completion_logprobs,
+            finish_reason=comp.finish_reason,
+            policy_versions=versions,
+            started_at=started_at,
+            ended_at=datetime.now(UTC),
+            routed_experts=routed,
+            routed_experts_shape=shape,
+            ttft_seconds=ttft,
+            request_body=request_body if self.settings.record_bodies else None,
+            response_body=response_body if self.settings.record_bodies else None,
+        )
+        try:
+            turn.check()
+        except TrajectoryError as exc:
+            raise ProxyError(
+                "engine_error", f"the engine's answer breaks the trajectory contract: {exc}"
+            ) from exc
+        return turn
+
+    async def record(self, turn: Turn) -> Turn:
+        """Journal the turn durably; only then may the harness see the answer."""
+        from dataclasses import replace  # noqa: PLC0415
+
+        turn = replace(turn, index=self.next_index)
+        self.next_index += 1
+        try:
+            await self.journal.append(turn_to_record(turn))
+        except JournalError as exc:
+            error = ProxyError("proxy_error", f"could not journal the turn: {exc}")
+            await self.fail(error)
+            raise error from exc
+        self.turns.append(turn)
+        self.assembler.add(turn)
+        self.last_failure = None
+        self.metrics.inc("legorl_proxy_tokens_in_total", turn.prompt_tokens)
+        self.metrics.inc("legorl_proxy_tokens_out_total", turn.completion_tokens)
+        self._update_gauges()
+        return turn
+
+    def _update_gauges(self) -> None:
+        self.metrics.set("legorl_proxy_turns", len(self.turns))
+        share = self.assembler.merged_turn_share
+        if share is not None:
+            self.metrics.set("legorl_proxy_segment_merge_ratio", share)
+
+    async def fail(self, error: ProxyError) -> None:
+        """Note a failed call; engine and journal failures end the trial (fail closed)."""
+        self.errors[error.kind] = self.errors.get(error.kind, 0) + 1
+        self.metrics.inc("legorl_proxy_errors_total", kind=error.kind)
+        self.last_failure = error
+        if error.kind == "engine_error":
+            await self._end(TerminationReason.ENGINE_ERROR, "proxy", error.message, None)
+        elif error.kind == "proxy_error":
+            await self._end(TerminationReason.PROXY_ERROR, "proxy", error.message, None)
+        elif error.kind == "trial_finished" and self.end is None and self.settings.max_turns is not None:
+            await self._end(TerminationReason.TURN_LIMIT, "proxy", error.message, None)
+
+    async def _end(
+        self, reason: TerminationReason, source: str, detail: str | None, exit_code: int | None
+    ) -> None:
+        if self.end is not None:
+            return
+        self.end = EndState(reason, source, detail, exit_code, datetime.now(UTC))
+        try:
+            await self.journal.append({"type": "end", **self.end.to_json()})
+        except JournalError:
+            # The end state still holds in memory; the turns that matter are already durable.
+            log.exception("could not journal the trial's end state")
+
+    async def finish(self, reason: TerminationReason, detail: str | None, exit_code: int | None) -> EndState:
+        """The harness's exit, reconciled with what the proxy saw: a failure the proxy already
+        recorded wins, and a harness that gave up right after a prompt overflowed the context
+        ended because of the overflow."""
+        if self.end is None:
+            if (
+                reason != TerminationReason.COMPLETED
+                and self.last_failure is not None
+                and self.last_failure.kind == "context_overflow"
+            ):
+                reason, detail = TerminationReason.CONTEXT_OVERFLOW, self.last_failure.message
+            await self._end(reason, "harness", detail, exit_code)
+        assert self.end is not None
+        return self.end
+
+    def trajectory(self, *, tokens: bool = True) -> dict[str, Any]:
+        """What the run controller collects: end state, segments and how well they merged."""
+        assembly = self.assembler.assembly()
+        versions: list[str] = []
+        for turn in self.turns:
+            versions.extend(v for v in turn.policy_versions if v not in versions)
+        return {
+            "run": self.settings.run,
+            "trial": self.settings.trial,
+            "state": "ended" if self.end else "running",
+            "end": self.end.to_json() if self.end else None,
+            "turns": len(self.turns),
+            "policyVersions": versions,
+            "mergedTurnShare": assembly.merged_turn_share,
+            "errors": dict(self.errors),
+            "finishReasons": _count(t.finish_reason for t in self.turns),
+            "segments": [s.to_row() for s in assembly.segments] if tokens else len(assembly.segments),
+        }
+
+
+def _count(values: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for value in values:
+        out[value] = out.get(value, 0) + 1
+    return out

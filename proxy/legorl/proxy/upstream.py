@@ -1,0 +1,206 @@
+"""The engine side: one shared httpx client, retries through weight swaps, errors classified.
+
+A weight swap pauses the engine; a restarting engine refuses connections. Both are retried with
+exponential backoff and full jitter until the settings' budget runs out, then the call fails as
+`engine_error`. Retries happen only before the engine has answered: a stream that already
+delivered tokens to the harness is never replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import httpx
+
+from legorl.proxy.errors import ProxyError
+from legorl.proxy.metrics import Metrics
+from legorl.proxy.settings import ProxySettings
+
+__all__ = ["Upstream", "classify_engine_error"]
+
+log = logging.getLogger(__name__)
+
+_RETRY_STATUS = {503}
+# vLLM's wording for prompts that do not fit: "This model's maximum context length is N tokens.
+# However, you requested M tokens...", "... longer than the maximum model length ...".
+_OVERFLOW = re.compile(
+    r"maximum context length|maximum model length|max_model_len|context length|too long", re.I
+)
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body[:500].decode(errors="replace") or "(empty body)"
+    if isinstance(data, dict):
+        error = data.get("error", data)
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(data.get("message"), str):
+            return str(data["message"])
+    return json.dumps(data)[:500]
+
+
+def classify_engine_error(status: int, body: bytes) -> ProxyError:
+    """What an engine's non-2xx answer means for the harness and the trial."""
+    message = _error_message(body)
+    if status == 400 and _OVERFLOW.search(message):
+        return ProxyError("context_overflow", message)
+    if status in (400, 422):
+        # The engine refused what the harness asked (e.g. a tool choice naming no tool): the
+        # harness's mistake, reported back to it; the trial goes on.
+        return ProxyError("invalid_request", f"the engine rejected the request: {message}")
+    return ProxyError("engine_error", f"the engine answered {status}: {message}")
+
+
+class Upstream:
+    """The rollout engine, reached over HTTP or a Unix socket."""
+
+    def __init__(self, settings: ProxySettings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        url = settings.upstream
+        transport: httpx.AsyncHTTPTransport | None = None
+        limits = httpx.Limits(
+            max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
+        )
+        if url.startswith("unix://"):
+            path = unquote(urlparse(url).path)
+            transport = httpx.AsyncHTTPTransport(uds=path, limits=limits)
+            url = "http://engine"
+        self.client = httpx.AsyncClient(
+            base_url=url,
+            transport=transport,
+            limits=limits,
+            timeout=httpx.Timeout(
+                connect=settings.connect_timeout_seconds,
+                read=settings.read_timeout_seconds,
+                write=settings.read_timeout_seconds,
+                pool=settings.read_timeout_seconds,
+            ),
+        )
+        self._version_supported = settings.policy_version_source == "engine"
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def _backoff(self, attempt: int, deadline: float, why: str) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ProxyError(
+                "engine_error",
+                f"the engine stayed unavailable for {self.settings.retry_budget_seconds:g}s ({why})",
+                status=503,
+            )
+        cap = min(self.settings.retry_max_seconds, self.settings.retry_initial_seconds * 2**attempt)
+        self.metrics.inc("legorl_proxy_engine_retries_total")
+        await asyncio.sleep(min(remaining, random.uniform(0, cap)))  # noqa: S311 - jitter, not crypto
+
+    @asynccontextmanager
+    async def _send(
+        self, method: str, path: str, body: dict[str, Any] | None, *, stream: bool
+    ) -> AsyncIterator[httpx.Response]:
+        """A response with a 2xx status (retried through 503s and refused connections)."""
+        deadline = time.monotonic() + self.settings.retry_budget_seconds
+        attempt = 0
+        while True:
+            request = self.client.build_request(method, path, json=body)
+            try:
+                response = await self.client.send(request, stream=stream)
+            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+                # Refused or dropped before an answer: the engine is (re)starting.
+                await self._backoff(attempt, deadline, f"{type(exc).__name__}: {exc}")
+                attempt += 1
+                continue
+            except httpx.TimeoutException as exc:
+                raise ProxyError(
+                    "engine_error", f"the engine timed out ({type(exc).__name__})", status=504
+                ) from exc
+            except httpx.HTTPError as exc:
+                raise ProxyError(
+                    "engine_error", f"the engine call failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            try:
+                if response.status_code in _RETRY_STATUS:
+                    await response.aread()
+                    await response.aclose()
+                    await self._backoff(attempt, deadline, f"HTTP {response.status_code}")
+                    attempt += 1
+                    continue
+                if response.status_code >= 300:
+                    content = await response.aread()
+                    raise classify_engine_error(response.status_code, content)
+                yield response
+                return
+            finally:
+                await response.aclose()
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A non-streaming call; the parsed JSON body."""
+        async with self._send("POST", "/v1/chat/completions", body, stream=True) as response:
+            try:
+                content = await response.aread()
+            except httpx.TimeoutException as exc:
+                raise ProxyError("engine_error", "the engine timed out mid-answer", status=504) from exc
+            except httpx.HTTPError as exc:
+                raise ProxyError("engine_error", f"the engine dropped the answer: {exc}") from exc
+        try:
+            data = json.loads(content)
+        except ValueError as exc:
+            raise ProxyError("engine_error", "the engine sent a body that is not JSON") from exc
+        if not isinstance(data, dict):
+            raise ProxyError("engine_error", "the engine sent a body that is not a JSON object")
+        return data
+
+    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[str, None]:
+        """A streaming call; yields each SSE `data:` payload."""
+        async with self._send("POST", "/v1/chat/completions", body, stream=True) as response:
+            try:
+                async for line in response.aiter_lines():
+                    if line.startswith("data:"):
+                        yield line[5:].strip()
+            except httpx.TimeoutException as exc:
+                raise ProxyError("engine_error", "the engine went silent mid-stream", status=504) from exc
+            except httpx.HTTPError as exc:
+                raise ProxyError("engine_error", f"the engine dropped the stream: {exc}") from exc
+
+    async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        async with self._send("POST", "/tokenize", body, stream=True) as response:
+            data = json.loads(await response.aread())
+        if not isinstance(data, dict):
+            raise ProxyError("engine_error", "the engine's /tokenize answer is not a JSON object")
+        return data
+
+    async def policy_version(self) -> str:
+        """The weights the engine serves now (`GET /weight_info`), or the configured version."""
+        if not self._version_supported:
+            return self.settings.policy_version
+        try:
+            response = await self.client.get("/weight_info")
+        except httpx.HTTPError as exc:
+            raise ProxyError("engine_error", f"could not read the engine's policy version: {exc}") from exc
+        if response.status_code in (404, 405):
+            log.warning(
+                "the engine has no /weight_info (VLLM_SERVER_DEV_MODE off?); recording policy version %r",
+                self.settings.policy_version,
+            )
+            self._version_supported = False
+            return self.settings.policy_version
+        if response.status_code != 200:
+            raise ProxyError("engine_error", f"the engine's /weight_info answered {response.status_code}")
+        try:
+            data = response.json()
+        except ValueError as exc:
+            raise ProxyError("engine_error", "the engine's /weight_info is not JSON") from exc
+        version = data.get("weight_version", data.get("version")) if isinstance(data, dict) else None
+        return str(version) if version is not None else self.settings.policy_version
