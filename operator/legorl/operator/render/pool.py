@@ -155,6 +155,11 @@ class TrialContext:
     """Base URL of the fleet's Service, e.g. `http://coder-fleet-engine.ns.svc:8000`."""
     served_model_name: str = "policy"
     max_tokens_per_turn: int = 4096
+    temperature: str | None = None
+    """RLRun `spec.sampling.temperature`; the proxy enforces it over the harness's."""
+    top_p: str | None = None
+    capture_routed_experts: bool = False
+    """The fleet returns routed experts (MoE routing replay)."""
     store_uri: str = ""
 
 
@@ -187,6 +192,12 @@ def _proxy_sidecar(trial: TrialContext, ctx: RenderContext) -> dict[str, Any]:
             f"--trial={trial.trial_id}",
             f"--run={trial.run_name}",
             "--journal=/journal",
+            # The run's sampling and budgets, enforced where the harness cannot skip them.
+            f"--max-tokens={trial.max_tokens_per_turn}",
+            f"--max-turns={trial.harness.max_turns}",
+            *([f"--temperature={trial.temperature}"] if trial.temperature is not None else []),
+            *([f"--top-p={trial.top_p}"] if trial.top_p is not None else []),
+            *(["--capture-routed-experts"] if trial.capture_routed_experts else []),
         ],
         "env": [{"name": "LEGORL_STORE_URI", "value": trial.store_uri}] if trial.store_uri else [],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},

