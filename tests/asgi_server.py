@@ -23,10 +23,11 @@ def free_port() -> int:
 def serve(app: Any, *, port: int | None = None, lifespan: str = "on") -> Iterator[str]:
     """Yield the base URL while uvicorn serves `app`; shut it down (lifespan included) after."""
     port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan=lifespan, log_level="warning", access_log=False)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, lifespan=lifespan, log_level="warning", access_log=False
+    )
     server = uvicorn.Server(config)
-    # uvicorn installs signal handlers only in the main thread; here it must not.
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    # uvicorn captures signals only when it runs in the main thread, so a thread is safe.
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
