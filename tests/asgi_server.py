@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
@@ -20,7 +20,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(app: Any, *, port: int | None = None, lifespan: str = "on") -> Iterator[str]:
+def serve(
+    app: Any, *, port: int | None = None, lifespan: Literal["auto", "on", "off"] = "on"
+) -> Iterator[str]:
     """Yield the base URL while uvicorn serves `app`; shut it down (lifespan included) after."""
     port = port or free_port()
     config = uvicorn.Config(
