@@ -343,6 +343,8 @@ class ProxyApp:
     async def _serve(self, call: _Call) -> str:
         """One call to the engine; returns the outcome label for the metrics."""
         assert self.trial is not None and self.upstream is not None
+        if self.settings.admission_kv_usage is not None and self.trial.next_index == 0:
+            await self._admit_session()
         started_at = datetime.now(UTC)
         version_before = await self.upstream.policy_version()
         try:
@@ -394,6 +396,24 @@ class ProxyApp:
             self.metrics.observe("legorl_proxy_ttft_seconds", call.ttft)
         await self._reply(call, comp, final)
         return "ok"
+
+    async def _admit_session(self) -> None:
+        """Hold a new session while the engine's KV cache is full (see `admission_kv_usage`)."""
+        assert self.upstream is not None and self.settings.admission_kv_usage is not None
+        started = time.perf_counter()
+        deadline = started + self.settings.admission_max_wait_seconds
+        while True:
+            usage = await self.upstream.kv_cache_usage()
+            if usage is None or usage < self.settings.admission_kv_usage:
+                break
+            if time.perf_counter() >= deadline:
+                self.metrics.inc("legorl_proxy_admission_timeouts_total")
+                log.warning(
+                    "engine KV cache still %.0f%% full after waiting; admitting the session", usage * 100
+                )
+                break
+            await asyncio.sleep(self.settings.admission_poll_seconds)
+        self.metrics.observe("legorl_proxy_admission_wait_seconds", time.perf_counter() - started)
 
     async def _engine(self, call: _Call) -> Completion | None:
         """The engine's whole answer, streaming deltas on to the harness as they come when both
@@ -464,7 +484,12 @@ class ProxyApp:
     async def _models(self, request: _Request, send: Send) -> None:
         name = self.settings.served_model_name
         if "anthropic-version" in request.headers:
-            model: dict[str, Any] = {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+            model: dict[str, Any] = {
+                "type": "model",
+                "id": name,
+                "display_name": name,
+                "created_at": "1970-01-01T00:00:00Z",
+            }
             await _send_json(
                 send, 200, {"data": [model], "has_more": False, "first_id": name, "last_id": name}
             )

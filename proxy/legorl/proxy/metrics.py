@@ -53,6 +53,8 @@ class Metrics:
             ("legorl_proxy_tokens_out_total", "counter", "Completion tokens journaled."),
             ("legorl_proxy_engine_retries_total", "counter", "Engine calls retried (503, refused)."),
             ("legorl_proxy_unexpected_format_total", "counter", "Calls in another API than configured."),
+            ("legorl_proxy_admission_timeouts_total", "counter", "Sessions admitted after the longest wait."),
+            ("legorl_proxy_admission_wait_seconds", "histogram", "Time a new session waited for KV room."),
             ("legorl_proxy_request_seconds", "histogram", "Whole call latency, proxy to engine and back."),
             ("legorl_proxy_ttft_seconds", "histogram", "Time to the first streamed token."),
             ("legorl_proxy_journal_fsync_seconds", "histogram", "Journal fsync latency (one per batch)."),

@@ -81,9 +81,17 @@ class ProxySettings(BaseModel):
     otlp_endpoint: str | None = None
     """OTLP/HTTP endpoint for traces (needs opentelemetry-exporter-otlp); unset: no export."""
 
+    admission_kv_usage: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    """Session admission under KV pressure: the trial's first call waits while the engine's KV
+    cache usage (vLLM's `vllm:kv_cache_usage_perc` at `/metrics`) is at or above this share, so
+    a full replica finishes the sessions it has before taking new ones. Unset: off."""
+    admission_max_wait_seconds: Annotated[float, Field(ge=0)] = 300.0
+    """Longest a new session waits for admission; then it goes ahead (and is counted)."""
+    admission_poll_seconds: Annotated[float, Field(gt=0)] = 1.0
+    """How often a waiting session re-reads the engine's KV usage."""
     admission_max_sessions: Annotated[int, Field(ge=1)] | None = None
-    """Session admission: at most this many calls in flight; more wait their turn (KV pressure
-    control). Unset: no limit."""
+    """At most this many calls of this trial in the engine at once (a harness running parallel
+    sub-agents); more wait their turn. Unset: no limit."""
 
     @field_validator("upstream")
     @classmethod

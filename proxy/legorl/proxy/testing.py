@@ -10,7 +10,8 @@ Markers in the last user message steer it: `CALL_TOOL` (answer with a tool call)
 (vLLM's 400 for a too-long prompt), `GARBAGE` (a 200 that is not JSON), `HANG` (never answer),
 `DROP` (close the stream half-way), `FAIL500` (an internal error), `SAY:<text>` (reply <text>).
 `POST /fake/unavailable {"count": N}` makes the next N calls answer 503 (a weight swap);
-`POST /fake/version {"version": "v1"}` changes what `/weight_info` reports.
+`POST /fake/version {"version": "v1"}` changes what `/weight_info` reports;
+`POST /fake/kv {"usage": 0.97}` sets the KV cache usage `/metrics` reports.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class FakeEngine:
         self.calls = 0
         self.requests: list[dict[str, Any]] = []
         self.record_requests = True
+        self.kv_usage = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -102,6 +104,15 @@ class FakeEngine:
             await self._json(send, 200, {"weight_version": self.version})
         elif path == "/fake/unavailable":
             self.unavailable = int(data.get("count", 1))
+            await self._json(send, 200, {})
+        elif path == "/metrics":
+            text = f'vllm:kv_cache_usage_perc{{engine="0",model_name="policy"}} {self.kv_usage}\n'
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+            )
+            await send({"type": "http.response.body", "body": text.encode()})
+        elif path == "/fake/kv":
+            self.kv_usage = float(data["usage"])
             await self._json(send, 200, {})
         elif path == "/fake/version":
             self.version = str(data["version"])

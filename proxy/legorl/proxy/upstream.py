@@ -181,6 +181,23 @@ class Upstream:
             raise ProxyError("engine_error", "the engine's /tokenize answer is not a JSON object")
         return data
 
+    async def kv_cache_usage(self) -> float | None:
+        """The engine's KV cache usage in [0, 1] (the fullest engine core), or None if unknown."""
+        try:
+            response = await self.client.get("/metrics")
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        values = []
+        for line in response.text.splitlines():
+            if line.startswith("vllm:kv_cache_usage_perc"):
+                try:
+                    values.append(float(line.rsplit(" ", 1)[1]))
+                except (IndexError, ValueError):
+                    continue
+        return max(values) if values else None
+
     async def policy_version(self) -> str:
         """The weights the engine serves now (`GET /weight_info`), or the configured version."""
         if not self._version_supported:
