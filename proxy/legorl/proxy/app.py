@@ -280,6 +280,8 @@ class ProxyApp:
             body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as exc:
             raise ProxyError("invalid_request", f"the request body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise ProxyError("invalid_request", "the request body nests JSON too deeply") from exc
         if not isinstance(body, dict):
             raise ProxyError("invalid_request", "the request body must be a JSON object")
         return body
