@@ -39,7 +39,7 @@ def test_the_trial_pods_proxy_arguments_parse_into_the_settings_they_mean() -> N
         run_name="coder-grpo",
         trial_id="t-0001",
         task_image="ghcr.io/example/task:1",
-        harness=Harness(kind="ClaudeCode", maxTurns=40),
+        harness=Harness.model_validate({"kind": "ClaudeCode", "maxTurns": 40}),
         fleet_url="http://coder-fleet-engine.default.svc:8000",
         max_tokens_per_turn=2048,
         temperature="0.7",

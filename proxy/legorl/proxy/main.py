@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import types
 import typing
@@ -70,27 +69,30 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
 
 
 def _tracer_provider(settings: ProxySettings) -> Any:
+    """An SDK provider exporting to `otlp_endpoint`; None (the API's no-op) without one, since
+    spans nobody exports would still cost CPU on every call."""
+    if not settings.otlp_endpoint:
+        return None
     from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
     from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
+            OTLPSpanExporter,
+        )
+    except ImportError:
+        log.warning(
+            "otlp_endpoint is set but opentelemetry-exporter-otlp is not installed; no traces exported"
+        )
+        return None
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
 
     provider = TracerProvider(
         resource=Resource.create(
             {"service.name": "legorl-proxy", "legorl.run": settings.run, "legorl.trial": settings.trial}
         )
     )
-    if settings.otlp_endpoint:
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
-                OTLPSpanExporter,
-            )
-        except ImportError:
-            log.warning(
-                "otlp_endpoint is set but opentelemetry-exporter-otlp is not installed; no traces exported"
-            )
-        else:
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
-
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint)))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint)))
     return provider
 
 
@@ -120,7 +122,8 @@ def serve(settings: ProxySettings) -> None:
         settings.port,
         settings.upstream,
     )
-    asyncio.run(server.serve())
+    # run() sets up uvicorn's event loop: uvloop and httptools when installed (uvicorn[standard]).
+    server.run()
 
 
 def main(argv: list[str] | None = None) -> int:

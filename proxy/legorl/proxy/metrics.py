@@ -62,6 +62,7 @@ class Metrics:
             ("legorl_proxy_turns", "gauge", "Turns journaled in this trial."),
             ("legorl_proxy_segment_merge_ratio", "gauge", "Share of turns that extended an earlier one."),
             ("legorl_proxy_in_flight", "gauge", "Calls in flight."),
+            ("legorl_proxy_journal_dropped_bytes", "gauge", "Torn-tail bytes cut off the journal at start."),
         ):
             self._help[name] = (kind, text)
 

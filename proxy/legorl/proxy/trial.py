@@ -35,8 +35,10 @@ def decode_routed_experts(encoded: str) -> tuple[list[int], tuple[int, int, int]
 
     try:
         array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
-    except (binascii.Error, ValueError, OSError) as exc:
+    except (binascii.Error, ValueError, OSError, EOFError) as exc:
         raise ProxyError("engine_error", f"routed_experts is not a base64 .npy array: {exc}") from exc
+    if not isinstance(array, np.ndarray):
+        raise ProxyError("engine_error", "routed_experts is an .npz archive, not one .npy array")
     if array.ndim != 3 or array.dtype.kind not in "iu":
         raise ProxyError(
             "engine_error",
@@ -105,6 +107,7 @@ class Trial:
                 self.journal.recovered.dropped_bytes,
             )
         self._update_gauges()
+        self.metrics.set("legorl_proxy_journal_dropped_bytes", self.journal.recovered.dropped_bytes)
 
     def _on_sync(self, seconds: float, records: int) -> None:
         self.metrics.observe("legorl_proxy_journal_fsync_seconds", seconds)
@@ -266,6 +269,8 @@ class Trial:
             "policyVersions": versions,
             "mergedTurnShare": assembly.merged_turn_share,
             "errors": dict(self.errors),
+            # Bytes of a torn record cut off the journal at start (a crash mid-write; never acknowledged).
+            "journalDroppedBytes": self.journal.recovered.dropped_bytes,
             "finishReasons": _count(t.finish_reason for t in self.turns),
             "segments": [s.to_row() for s in assembly.segments] if tokens else len(assembly.segments),
         }

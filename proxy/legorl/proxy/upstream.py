@@ -72,7 +72,10 @@ class Upstream:
         url = settings.upstream
         transport: httpx.AsyncHTTPTransport | None = None
         limits = httpx.Limits(
-            max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
+            max_connections=settings.max_connections,
+            max_keepalive_connections=settings.max_connections,
+            # Harnesses think (run tools) between calls; keep their connections for the next one.
+            keepalive_expiry=300.0,
         )
         if url.startswith("unix://"):
             path = unquote(urlparse(url).path)
@@ -117,8 +120,14 @@ class Upstream:
             request = self.client.build_request(method, path, json=body)
             try:
                 response = await self.client.send(request, stream=stream)
-            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
-                # Refused or dropped before an answer: the engine is (re)starting.
+            except (
+                httpx.ConnectError,
+                httpx.ConnectTimeout,
+                httpx.PoolTimeout,
+                httpx.RemoteProtocolError,
+            ) as exc:
+                # Refused, not accepted in time, or dropped before an answer: the engine is
+                # (re)starting or swamped. Nothing reached it, so asking again is safe.
                 await self._backoff(attempt, deadline, f"{type(exc).__name__}: {exc}")
                 attempt += 1
                 continue

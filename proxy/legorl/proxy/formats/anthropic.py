@@ -168,6 +168,9 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
         function = {"name": tool["name"], "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
+        if isinstance(tool.get("strict"), bool):
+            # The engine constrains arguments to the schema only for strict tools.
+            function["strict"] = tool["strict"]
         tools.append({"type": "function", "function": function})
     return tools or None
 
@@ -213,10 +216,12 @@ def prepare(body: dict[str, Any], settings: Any) -> Prepared:
 
 
 def _stop_reason(comp: Completion) -> tuple[str, str | None]:
-    if comp.tool_calls:
-        return "tool_use", None
+    # A call cut by the token budget is `max_tokens` even if a tool call had begun, as Anthropic
+    # reports it: the harness must not run a half-written call.
     if comp.finish_reason == "length":
         return "max_tokens", None
+    if comp.tool_calls:
+        return "tool_use", None
     if comp.finish_reason == "content_filter":
         return "refusal", None
     if isinstance(comp.stop_reason, str):
@@ -252,6 +257,7 @@ class Encoder:
         self.prepared = prepared
         self._block = -1
         self._open: str | None = None  # "text" or "tool_use"
+        self._arguments = ""
 
     def head(self, comp: Completion) -> list[bytes]:
         message: dict[str, Any] = {
@@ -269,8 +275,18 @@ class Encoder:
     def _close(self) -> list[bytes]:
         if self._open is None:
             return []
+        out = []
+        if self._open == "tool_use":
+            # Anthropic's SDKs parse the concatenated input_json_delta pieces as one JSON object
+            # and fail the whole stream when they are not; the engine's raw pieces (whitespace
+            # padding, a call cut mid-way) may not be. So the arguments go out once, normalised,
+            # when the block closes.
+            arguments = json.dumps(parse_arguments(self._arguments))
+            out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+            self._arguments = ""
         self._open = None
-        return [sse({"type": "content_block_stop", "index": self._block}, "content_block_stop")]
+        out.append(sse({"type": "content_block_stop", "index": self._block}, "content_block_stop"))
+        return out
 
     def _start(self, block: dict[str, Any], kind: str) -> list[bytes]:
         out = self._close()
@@ -296,7 +312,7 @@ class Encoder:
                 self._start({"type": "tool_use", "id": event.id, "name": event.name, "input": {}}, "tool_use")
             )
         elif isinstance(event, ToolCallArgs):
-            out.append(self._delta({"type": "input_json_delta", "partial_json": event.delta}))
+            self._arguments += event.delta
         return out
 
     def tail(self, comp: Completion) -> list[bytes]:

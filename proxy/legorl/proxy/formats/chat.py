@@ -9,6 +9,7 @@ from legorl.proxy.errors import ProxyError, error_body
 from legorl.proxy.formats.common import (
     Completion,
     Event,
+    LogprobsDelta,
     Prepared,
     ReasoningDelta,
     TextDelta,
@@ -172,6 +173,10 @@ class Encoder:
         if isinstance(event, TextDelta):
             logprobs = {"content": event.logprobs} if self.prepared.options["logprobs"] else None
             return [self._chunk({"content": event.text}, logprobs=logprobs)]
+        if isinstance(event, LogprobsDelta):
+            if not self.prepared.options["logprobs"]:
+                return []
+            return [self._chunk({}, logprobs={"content": event.logprobs})]
         if isinstance(event, ReasoningDelta):
             return [self._chunk({"reasoning_content": event.text})]
         if isinstance(event, ToolCallStart):

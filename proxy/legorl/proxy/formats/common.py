@@ -20,6 +20,7 @@ from legorl.proxy.errors import ProxyError
 __all__ = [
     "Completion",
     "Event",
+    "LogprobsDelta",
     "Prepared",
     "ReasoningDelta",
     "StreamAccumulator",
@@ -91,6 +92,14 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class LogprobsDelta:
+    """Sampled tokens that carry no text of their own (end of sequence, a partial UTF-8 byte,
+    tool-call syntax the parser holds back): only their log-probs, for clients that asked."""
+
+    logprobs: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class ReasoningDelta:
     text: str
 
@@ -108,7 +117,7 @@ class ToolCallArgs:
     delta: str
 
 
-Event = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgs
+Event = TextDelta | LogprobsDelta | ReasoningDelta | ToolCallStart | ToolCallArgs
 
 
 def _garbage(message: str) -> ProxyError:
@@ -247,6 +256,8 @@ class StreamAccumulator:
         if delta.get("content"):
             comp.text += delta["content"]
             events.append(TextDelta(delta["content"], list(entries)))
+        elif entries:
+            events.append(LogprobsDelta(list(entries)))
         for call in delta.get("tool_calls") or []:
             index = int(call.get("index", 0))
             function = call.get("function") or {}

@@ -107,10 +107,12 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 "type": "function",
                 "function": {"name": name, "arguments": str(item.get("arguments") or "")},
             }
-            # Consecutive calls belong to one assistant turn (parallel tool calls).
+            # An assistant turn is one chat message: its text item and the calls after it (and
+            # parallel calls) belong together, as the engine produced them, so the re-rendered
+            # history extends the last prompt exactly.
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -139,6 +141,10 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
         function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
+        if isinstance(tool.get("strict"), bool):
+            # Passed on only when the harness says so: the engine's grammar may not support
+            # every schema a harness sends, so strictness is not assumed.
+            function["strict"] = tool["strict"]
         tools.append({"type": "function", "function": function})
     return tools or None
 
