@@ -83,6 +83,8 @@ class _Request:
     path: str
     query: str
     headers: dict[str, str]
+    raw_body: bytes = b""
+    """The body as it arrived (recorded on the turn as the harness sent it)."""
 
 
 def _json_bytes(body: Any) -> bytes:
@@ -132,7 +134,7 @@ class _Call:
 
     fmt: ModuleType
     prepared: Prepared
-    client_body: dict[str, Any]
+    raw_request: bytes
     send: Send
     disconnect: _Disconnect
     span: trace.Span
@@ -276,8 +278,9 @@ class ProxyApp:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        request.raw_body = b"".join(chunks)
         try:
-            body = json.loads(b"".join(chunks))
+            body = json.loads(request.raw_body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ProxyError("invalid_request", f"the request body is not valid JSON: {exc}") from exc
         except RecursionError as exc:
@@ -316,7 +319,7 @@ class ProxyApp:
                     call = _Call(
                         fmt=fmt,
                         prepared=prepared,
-                        client_body=body,
+                        raw_request=request.raw_body,
                         send=send,
                         disconnect=disconnect,
                         span=span,
@@ -360,15 +363,15 @@ class ProxyApp:
                 )
             version_after = await self.upstream.policy_version()
             versions = [version_before] + ([version_after] if version_after != version_before else [])
-            final = call.fmt.response(call.prepared, comp)
+            final = _json_bytes(call.fmt.response(call.prepared, comp))
             turn = self.trial.build_turn(
                 call.fmt.API_FORMAT,
                 comp,
                 versions=versions,
                 started_at=started_at,
                 ttft=call.ttft,
-                request_body=json.dumps(call.client_body),
-                response_body=json.dumps(final),
+                request_body=call.raw_request.decode(errors="replace"),
+                response_body=final.decode(),
             )
             if call.disconnect.gone:
                 return "disconnected"  # never acknowledged: the harness will ask again
@@ -430,34 +433,51 @@ class ProxyApp:
         assert call.encoder is not None
         acc = StreamAccumulator()
         async with aclosing(self.upstream.stream(body)) as chunks:
-            async for data in chunks:
-                events = acc.feed(data)
-                if not call.headers_sent and acc.started:
-                    await call.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-                    await self._write(call.send, call.encoder.head(acc.completion))
-                    call.headers_sent = True
-                for event in events:
-                    if call.ttft is None and isinstance(event, TextDelta | ToolCallStart):
-                        call.ttft = time.perf_counter() - call.t0
-                    await self._write(call.send, call.encoder.event(event))
+            async for batch in chunks:
+                out: list[bytes] = []
+                for data in batch:
+                    events = acc.feed(data)
+                    if not call.headers_sent and acc.started:
+                        await call.send(
+                            {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
+                        )
+                        out.extend(call.encoder.head(acc.completion))
+                        call.headers_sent = True
+                    for event in events:
+                        if call.ttft is None and isinstance(event, TextDelta | ToolCallStart):
+                            call.ttft = time.perf_counter() - call.t0
+                        out.extend(call.encoder.event(event))
+                # One write per batch the engine sent, whatever it carried.
+                await self._write(call.send, out)
                 if call.disconnect.gone:
                     # Closing the stream aborts the request in the engine too.
                     return None
         return acc.result()
 
-    async def _reply(self, call: _Call, comp: Completion, final: dict[str, Any]) -> None:
+    async def _reply(self, call: _Call, comp: Completion, final: bytes) -> None:
         """The answer, or the end of the stream, once the turn is durable."""
         if call.encoder is None:
-            await _send_json(call.send, 200, final)
+            await call.send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(final)).encode()),
+                    ],
+                }
+            )
+            await call.send({"type": "http.response.body", "body": final})
             return
+        out: list[bytes] = []
         if not call.headers_sent:
             # The engine was called unstreamed (routing capture): replay the whole answer as a stream.
             await call.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            await self._write(call.send, call.encoder.head(comp))
+            out.extend(call.encoder.head(comp))
             for event in events_from_completion(comp):
-                await self._write(call.send, call.encoder.event(event))
-        await self._write(call.send, call.encoder.tail(comp))
-        await call.send({"type": "http.response.body", "body": b"", "more_body": False})
+                out.extend(call.encoder.event(event))
+        out.extend(call.encoder.tail(comp))
+        await call.send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
 
     @staticmethod
     async def _write(send: Send, chunks: list[bytes]) -> None:

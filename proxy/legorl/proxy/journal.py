@@ -4,6 +4,12 @@ One file per trial, `DIR/journal.log`, a sequence of records:
 
     [u32 little-endian payload length][u32 CRC-32 of the payload][payload: UTF-8 JSON]
 
+The long numeric arrays of a turn (token ids, log-probs, routed experts) are stored inside the
+JSON as base64 of their little-endian bytes (`{"$array": "i4", "b64": ...}`): writing a float's
+shortest decimal repr costs about a microsecond, so a turn's few thousand numbers would make the
+journal the proxy's largest cost; the bytes are exact (log-probs as float64, as vLLM sent them).
+Records read back always hold plain lists again.
+
 A record is acknowledged once its bytes and the file are fsync'd; the proxy answers the harness
 only after that. A crash can leave a torn tail (a short header, a short payload, or a payload
 whose checksum does not match): opening the journal detects it, truncates the file back to the
@@ -17,11 +23,14 @@ behind one another.
 
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
 import json
 import logging
 import os
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -55,6 +64,42 @@ class Recovered:
     """Bytes of a torn tail that were cut off (0 for a clean journal)."""
 
 
+_PACKED: dict[str, str] = {
+    "prompt_token_ids": "i4",
+    "completion_token_ids": "i4",
+    "completion_logprobs": "f8",
+    "routed_experts": "u2",
+}
+_TYPECODE = {"i4": "i", "f8": "d", "u2": "H"}
+
+
+def _pack(values: list[Any], kind: str) -> dict[str, str] | list[Any]:
+    try:
+        packed = array.array(_TYPECODE[kind], values)
+    except (OverflowError, TypeError):
+        return values  # out of the packed type's range: stored as a plain list, still exact
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return {"$array": kind, "b64": base64.b64encode(packed.tobytes()).decode()}
+
+
+def _unpack(value: Any) -> Any:
+    if not isinstance(value, dict) or value.get("$array") not in _TYPECODE:
+        return value
+    packed = array.array(_TYPECODE[value["$array"]])
+    packed.frombytes(base64.b64decode(value["b64"]))
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tolist()
+
+
+def _unpack_record(record: dict[str, Any]) -> dict[str, Any]:
+    for key in _PACKED:
+        if key in record:
+            record[key] = _unpack(record[key])
+    return record
+
+
 def _scan(data: bytes) -> tuple[list[dict[str, Any]], int]:
     """Whole records in `data` and the offset just past the last one."""
     records: list[dict[str, Any]] = []
@@ -74,7 +119,10 @@ def _scan(data: bytes) -> tuple[list[dict[str, Any]], int]:
             break
         if not isinstance(record, dict):
             break
-        records.append(record)
+        try:
+            records.append(_unpack_record(record))
+        except (ValueError, TypeError, KeyError):
+            break  # a checksummed record that does not decode is corruption all the same
         pos = end
     return records, pos
 
@@ -90,7 +138,12 @@ def read_journal(directory: str | Path) -> Recovered:
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
-    payload = json.dumps(record, separators=(",", ":"), allow_nan=False).encode()
+    """A record as framed bytes; its long numeric arrays are packed (see the module docstring)."""
+    packed = dict(record)
+    for key, kind in _PACKED.items():
+        if isinstance(packed.get(key), list):
+            packed[key] = _pack(packed[key], kind)
+    payload = json.dumps(packed, separators=(",", ":"), allow_nan=False).encode()
     return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 

@@ -97,8 +97,17 @@ def _extend(seg: _Open, turn: Turn) -> None:
 
 def _extends(seg: _Open, turn: Turn) -> bool:
     n = len(seg.token_ids)
-    # A strict extension: the prompt must be longer, else there is nothing new to attach.
-    return len(turn.prompt_token_ids) > n and turn.prompt_token_ids[:n] == seg.token_ids
+    prompt = turn.prompt_token_ids
+    # A strict extension: the prompt must be longer, else there is nothing new to attach. The
+    # segment's last tokens (its latest answer) are compared first: sessions that share a long
+    # system prompt differ there, so most candidates are ruled out without a full comparison.
+    if (
+        len(prompt) <= n
+        or prompt[n - 1] != seg.token_ids[-1]
+        or prompt[max(0, n - 16) : n] != seg.token_ids[-16:]
+    ):
+        return False
+    return prompt[:n] == seg.token_ids
 
 
 class Assembler:
