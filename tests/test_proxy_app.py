@@ -1154,10 +1154,12 @@ def test_an_engine_failure_ends_the_trial(make_stack: MakeStack, fmt: str, marke
                 "error": {"type": "api_error", "message": anthropic_info.value.body["error"]["message"]},  # type: ignore[index]
             }
         else:
-            # The SDK yields the error event rather than raising; no response.completed follows.
+            # The SDK yields the error event rather than raising; the stream then ends the way
+            # OpenAI ends a failed response, with response.failed (never response.completed).
             events = list(stack.oai.responses.create(model="gpt-test", input=prompt, stream=True))
-            assert events[-1].type == "error"
-            assert events[-1].code == "engine_error"
+            assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+            assert events[-2].code == "engine_error"  # type: ignore[union-attr]
+            assert events[-1].response.status == "failed"  # type: ignore[union-attr]
             assert "response.completed" not in [e.type for e in events]
     else:
         status = 504 if marker == "HANG" else 502
@@ -1245,12 +1247,6 @@ def test_a_503_storm_longer_than_the_budget_is_an_engine_error(make_stack: MakeS
         "fixed",
         pytest.param(
             "engine",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: Upstream.policy_version() sends GET /weight_info without the retry loop, "
-                "so an engine that refuses connections ends the trial at once instead of after "
-                "retry_budget_seconds",
-            ),
         ),
     ],
 )
@@ -1279,11 +1275,6 @@ def test_an_engine_that_is_down_fails_after_the_retry_budget(
         "fixed",
         pytest.param(
             "engine",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: Upstream.policy_version() does not retry a refused connection, so a "
-                "call made while the engine restarts ends the trial instead of waiting for it",
-            ),
         ),
     ],
 )
@@ -1516,13 +1507,6 @@ def test_the_call_after_the_turn_budget_is_refused(make_stack: MakeStack, fmt: s
     assert stack.finish("completed").json()["end"]["reason"] == "turn_limit"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the answers that end or follow the end of a trial (502/503/504 engine_error, 409 "
-    "trial_finished) carry no `x-should-retry: false`; both SDKs retry 409 and 5xx by default, so "
-    "a harness keeps calling a trial that is over (PLATFORM.md: return errors that clients will "
-    "not retry when the failure is permanent)",
-)
 @pytest.mark.parametrize("how", ["finished", "engine-failure"])
 def test_a_trial_that_is_over_is_not_retried_by_the_sdks(stack: Stack, how: str) -> None:
     if how == "finished":
@@ -1598,11 +1582,6 @@ def test_count_tokens_uses_the_engine_template(shared: Stack) -> None:
         stack.anth.messages.count_tokens(model="claude-test", messages=[])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Upstream.tokenize json.loads the engine's /tokenize body unguarded: a 200 that is "
-    "not JSON raises ValueError, a plain-text 500 instead of an engine error in Anthropic's format",
-)
 def test_count_tokens_with_an_engine_answering_garbage(shared: Stack) -> None:
     stack = shared
     stack.engine.app.garbage_tokenize = True

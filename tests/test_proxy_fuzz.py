@@ -18,14 +18,14 @@ What is tried (a proxy and a fake engine served once for the module, each under 
 A typical run (`--hypothesis-show-statistics`, 150 examples each, ~15 s in all): arbitrary
 bodies are all 400s (a random value is practically never a valid request); mutated requests give
 about 25% 200s (streamed and whole, count_tokens included) and 75% 400s; `/finish` about 15% 200s.
-No 5xx, no torn journal. A run of 2,500 examples each (4 min) found nothing beyond the crashes
-pinned at the end; the fake engine refused 11 of the translated requests (chat messages whose
-`tool_calls` or content parts are malformed: the chat format passes them through for the engine
-to judge).
+No 5xx, no torn journal. A run of 2,500 examples each (4 min) found five crashes, now fixed and
+pinned by the regression cases at the end; the fake engine refused 11 of the translated
+requests (chat messages whose `tool_calls` or content parts are malformed: the chat format passes
+them through for the engine to judge).
 
 Kept out of the generated inputs: the fake engine's failure markers (OVERFLOW, HANG...: failures
-on cue are test_proxy_app's business), NaN/Infinity and lone surrogates (hypothesis makes neither
-by default), and the input shapes of the known bugs pinned by the xfail tests at the end.
+on cue are test_proxy_app's business) and NaN/Infinity and lone surrogates, which hypothesis makes
+neither of by default (the regression cases at the end send both).
 """
 
 from __future__ import annotations
@@ -381,29 +381,6 @@ def note(text: str) -> None:
         event(text)
 
 
-def _walk(value: Any) -> Iterator[Any]:
-    yield value
-    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    for child in children:
-        yield from _walk(child)
-
-
-def hits_a_known_bug(body: Any) -> bool:
-    """Inputs that crash the proxy today, each pinned by an xfail test below; kept out of the
-    fuzz so that it goes on looking for new failures. Remove a clause when its bug is fixed."""
-    for node in _walk(body):
-        if not isinstance(node, dict):
-            continue
-        # chat: `role not in {set}`; responses: a content part's `type in {set}` (unhashable).
-        if isinstance(node.get("role"), list | dict) or isinstance(node.get("type"), list | dict):
-            return True
-        # anthropic: an image block whose `source` is not an object.
-        source = node.get("source")
-        if node.get("type") == "image" and source and not isinstance(source, dict):
-            return True
-    return False
-
-
 # -- what every answer must be --------------------------------------------------------------------
 
 
@@ -513,7 +490,7 @@ def test_the_unmutated_requests_are_served(proxy: Served, route: str) -> None:
 )
 def test_arbitrary_bodies(proxy: Served, route: str, body: Any) -> None:
     content = _content(body)
-    assume(not hits_a_known_bug(body) and not any(m.encode() in content for m in MARKERS))
+    assume(not any(m.encode() in content for m in MARKERS))
     send(proxy, route, content)
 
 
@@ -522,7 +499,7 @@ def test_arbitrary_bodies(proxy: Served, route: str, body: Any) -> None:
 def test_mutated_requests(proxy: Served, data: st.DataObject, route: str) -> None:
     body = data.draw(mutated(route))
     content = _content(body)
-    assume(not hits_a_known_bug(body) and not any(m.encode() in content for m in MARKERS))
+    assume(not any(m.encode() in content for m in MARKERS))
     send(proxy, route, content)
 
 
@@ -574,52 +551,27 @@ CRASHES = [
         "/v1/chat/completions",
         b'{"model": "m", "messages": [{"role": ["user"], "content": "hi"}]}',
         id="chat-unhashable-role",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG: formats/chat.py _messages tests `message.get('role') not in _ROLES` (a set): "
-            "a list or object role raises TypeError, a plain-text 500",
-        ),
     ),
     pytest.param(
         "/v1/responses",
         b'{"model": "m", "input": [{"role": "user", "content": [{"type": [], "text": "x"}]}]}',
         id="responses-unhashable-part-type",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG: formats/responses.py _content tests `kind in _TEXT_PARTS` (a set): a list or "
-            "object part type raises TypeError, a plain-text 500",
-        ),
     ),
     pytest.param(
         "/v1/messages",
         b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": '
         b'[{"type": "image", "source": "https://example.com/a.png"}]}]}',
         id="anthropic-image-source-string",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG: formats/anthropic.py _image_part calls `.get` on `source` without checking it "
-            "is an object: AttributeError, a plain-text 500",
-        ),
     ),
     pytest.param(
         "/v1/chat/completions",
         b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": NaN}',
         id="chat-nan",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG: app.py _read_json accepts NaN/Infinity (json.loads' default); a forwarded "
-            "field holding one makes httpx's JSON encoding raise ValueError, a plain-text 500",
-        ),
     ),
     pytest.param(
         "/v1/messages",
         b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "a\\ud800b"}]}',
         id="anthropic-lone-surrogate",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG: a lone surrogate escape (valid JSON, not valid Unicode) passes _read_json and "
-            "breaks the upstream body's UTF-8 encoding: UnicodeEncodeError, a plain-text 500",
-        ),
     ),
 ]
 

@@ -87,6 +87,10 @@ class _Request:
     """The body as it arrived (recorded on the turn as the harness sent it)."""
 
 
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _json_bytes(body: Any) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
@@ -196,10 +200,31 @@ class ProxyApp:
         if path.startswith("/v1/"):
             path = path[3:]
         request = _Request(scope["method"], path, scope.get("query_string", b"").decode("latin-1"), headers)
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self._route(request, receive, send)
+            await self._route(request, receive, tracked)
         except ProxyError as error:
-            await _send_json(send, error.http_status, error_body(self._format_for(request), error))
+            await self._send_error(request, send, error)
+        except Exception as exc:  # a bug must still answer in the client's format
+            log.exception("unexpected error serving %s %s", request.method, request.path)
+            self.metrics.inc("legorl_proxy_errors_total", kind="proxy_error")
+            if started:
+                return  # mid-answer: nothing well-formed can follow; the client sees a cut stream
+            failure = ProxyError("proxy_error", f"the proxy failed: {type(exc).__name__}: {exc}")
+            await self._send_error(request, send, failure)
+
+    async def _send_error(self, request: _Request, send: Send, error: ProxyError) -> None:
+        # An ended trial's errors are permanent: tell the SDKs (which retry 409 and 5xx by default)
+        # not to ask again, so the harness stops instead of hammering a trial that is over.
+        over = self.trial is not None and self.trial.end is not None
+        headers = [(b"x-should-retry", b"false")] if over else []
+        await _send_json(send, error.http_status, error_body(self._format_for(request), error), headers)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -280,13 +305,20 @@ class ProxyApp:
                 break
         request.raw_body = b"".join(chunks)
         try:
-            body = json.loads(request.raw_body)
+            body = json.loads(request.raw_body, parse_constant=_no_constants)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ProxyError("invalid_request", f"the request body is not valid JSON: {exc}") from exc
         except RecursionError as exc:
             raise ProxyError("invalid_request", "the request body nests JSON too deeply") from exc
         if not isinstance(body, dict):
             raise ProxyError("invalid_request", "the request body must be a JSON object")
+        if rb"\ud" in request.raw_body or rb"\uD" in request.raw_body:
+            # Escaped surrogates are fine in pairs (non-BMP characters from ASCII-only encoders);
+            # a lone one is valid JSON but not text, and could not be sent on.
+            try:
+                json.dumps(body, ensure_ascii=False).encode()
+            except UnicodeEncodeError as exc:
+                raise ProxyError("invalid_request", "the request body holds a lone UTF-16 surrogate") from exc
         return body
 
     # -- model calls -----------------------------------------------------------------------------
@@ -352,6 +384,7 @@ class ProxyApp:
             await self._admit_session()
         started_at = datetime.now(UTC)
         version_before = await self.upstream.policy_version()
+        assert version_before is not None
         try:
             with self.tracer.start_as_current_span("engine chat.completions", kind=SpanKind.CLIENT):
                 comp = await self._engine(call)
@@ -361,7 +394,9 @@ class ProxyApp:
                 raise ProxyError(
                     "engine_error", "the engine aborted the call (a weight update with pause mode abort?)"
                 )
-            version_after = await self.upstream.policy_version()
+            # Read without waiting: the answer is in hand, and an engine gone quiet right after it
+            # must not cost the turn. "unknown" marks a turn whose weights cannot be vouched for.
+            version_after = await self.upstream.policy_version(wait=False) or "unknown"
             versions = [version_before] + ([version_after] if version_after != version_before else [])
             final = _json_bytes(call.fmt.response(call.prepared, comp))
             turn = self.trial.build_turn(

@@ -200,7 +200,12 @@ class Upstream:
 
     async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         async with self._send("POST", "/tokenize", body, stream=True) as response:
-            data = json.loads(await response.aread())
+            try:
+                data = json.loads(await response.aread())
+            except ValueError as exc:
+                raise ProxyError("engine_error", "the engine's /tokenize answer is not JSON") from exc
+            except httpx.HTTPError as exc:
+                raise ProxyError("engine_error", f"the engine dropped its /tokenize answer: {exc}") from exc
         if not isinstance(data, dict):
             raise ProxyError("engine_error", "the engine's /tokenize answer is not a JSON object")
         return data
@@ -222,14 +227,39 @@ class Upstream:
                     continue
         return max(values) if values else None
 
-    async def policy_version(self) -> str:
-        """The weights the engine serves now (`GET /weight_info`), or the configured version."""
+    async def policy_version(self, *, wait: bool = True) -> str | None:
+        """The weights the engine serves now (`GET /weight_info`), or the configured version when
+        the engine cannot tell. `wait`: ride out a restart or a swap like a model call does;
+        without it, an engine that does not answer gives None (version unknown)."""
         if not self._version_supported:
             return self.settings.policy_version
-        try:
-            response = await self.client.get("/weight_info")
-        except httpx.HTTPError as exc:
-            raise ProxyError("engine_error", f"could not read the engine's policy version: {exc}") from exc
+        deadline = time.monotonic() + self.settings.retry_budget_seconds
+        attempt = 0
+        while True:
+            try:
+                response = await self.client.get("/weight_info")
+            except (
+                httpx.ConnectError,
+                httpx.ConnectTimeout,
+                httpx.PoolTimeout,
+                httpx.RemoteProtocolError,
+            ) as exc:
+                if not wait:
+                    return None
+                await self._backoff(attempt, deadline, f"{type(exc).__name__}: {exc}")
+                attempt += 1
+                continue
+            except httpx.HTTPError as exc:
+                if not wait:
+                    return None
+                raise ProxyError(
+                    "engine_error", f"could not read the engine's policy version: {exc}"
+                ) from exc
+            if response.status_code in _RETRY_STATUS and wait:
+                await self._backoff(attempt, deadline, f"HTTP {response.status_code}")
+                attempt += 1
+                continue
+            break
         if response.status_code in (404, 405):
             log.warning(
                 "the engine has no /weight_info (VLLM_SERVER_DEV_MODE off?); recording policy version %r",
@@ -237,11 +267,15 @@ class Upstream:
             )
             self._version_supported = False
             return self.settings.policy_version
-        if response.status_code != 200:
-            raise ProxyError("engine_error", f"the engine's /weight_info answered {response.status_code}")
         try:
-            data = response.json()
-        except ValueError as exc:
-            raise ProxyError("engine_error", "the engine's /weight_info is not JSON") from exc
+            data = response.json() if response.status_code == 200 else None
+        except ValueError:
+            data = None
         version = data.get("weight_version", data.get("version")) if isinstance(data, dict) else None
-        return str(version) if version is not None else self.settings.policy_version
+        if version is None:
+            if not wait:
+                return None
+            raise ProxyError(
+                "engine_error", f"the engine's /weight_info answered {response.status_code} without a version"
+            )
+        return str(version)

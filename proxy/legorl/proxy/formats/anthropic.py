@@ -52,7 +52,9 @@ def _text_of(content: Any, where: str) -> str:
 
 
 def _image_part(block: dict[str, Any]) -> dict[str, Any] | None:
-    source = block.get("source") or {}
+    source = block.get("source")
+    if not isinstance(source, dict):
+        return None
     if source.get("type") == "base64":
         url = f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"
     elif source.get("type") == "url":

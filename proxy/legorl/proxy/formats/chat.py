@@ -36,7 +36,11 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         raise ProxyError("invalid_request", "messages must be a non-empty list", param="messages")
     out = []
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or message["role"] not in _ROLES
+        ):
             raise ProxyError(
                 "invalid_request",
                 f"messages[{i}] must be an object with a role in {sorted(_ROLES)}",

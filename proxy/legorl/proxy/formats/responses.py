@@ -45,7 +45,7 @@ def _content(value: Any, where: str) -> str | list[dict[str, Any]]:
         if not isinstance(part, dict):
             raise ProxyError("invalid_request", f"{where}[{i}] must be an object", param=where)
         kind = part.get("type")
-        if kind in _TEXT_PARTS:
+        if isinstance(kind, str) and kind in _TEXT_PARTS:
             text = part.get("text", part.get("refusal"))
             if not isinstance(text, str):
                 raise ProxyError("invalid_request", f"{where}[{i}].text must be a string", param=where)
@@ -398,4 +398,17 @@ class Encoder:
 
     def error(self, error: ProxyError) -> list[bytes]:
         body = error_body(API_FORMAT, error)["error"]
-        return [self._event("error", code=body["code"], message=body["message"], param=body["param"])]
+        response = _response(
+            self.prepared,
+            response_id=self._id,
+            created=self._created,
+            status="failed",
+            output=self._output,
+            comp=None,
+        )
+        response["error"] = {"code": "server_error", "message": error.message}
+        return [
+            self._event("error", code=body["code"], message=body["message"], param=body["param"]),
+            # The response's own terminal event, as OpenAI ends a failed stream.
+            self._event("response.failed", response=response),
+        ]
