@@ -1559,9 +1559,15 @@ def test_failed_anthropic_and_responses_streams_end_with_an_error_event() -> Non
     prepared = responses_format.prepare(fixture("responses_codex_request.json"), settings())
     responses_encoder = responses_format.Encoder(prepared)
     head = parse_sse(b"".join(responses_encoder.head(comp)))
-    ((name, payload),) = parse_sse(b"".join(responses_encoder.error(error)))
+    ((name, payload), (failed_name, failed_payload)) = parse_sse(b"".join(responses_encoder.error(error)))
     event = json.loads(payload)
     assert name == "error"
     RESPONSES_EVENT.validate_python(event, strict=True)
     assert (event["code"], event["message"]) == ("engine_error", "the engine dropped the stream")
     assert event["sequence_number"] == len(head)
+    # Then the response's own terminal event, as OpenAI ends a failed response.
+    failed = json.loads(failed_payload)
+    assert failed_name == "response.failed"
+    RESPONSES_EVENT.validate_python(failed, strict=True)
+    assert failed["response"]["status"] == "failed"
+    assert failed["sequence_number"] == len(head) + 1
