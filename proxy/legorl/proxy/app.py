@@ -19,7 +19,6 @@ answer (for a stream: its terminal events). A harness never acts on a turn the j
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -34,6 +33,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
 
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import ApiFormat
+from legorl.proxy import _json as fastjson
 from legorl.proxy.errors import ProxyError, error_body
 from legorl.proxy.formats import anthropic, chat, responses
 from legorl.proxy.formats.common import (
@@ -87,12 +87,8 @@ class _Request:
     """The body as it arrived (recorded on the turn as the harness sent it)."""
 
 
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _json_bytes(body: Any) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
+    return fastjson.dumps(body)
 
 
 async def _send_json(
@@ -305,20 +301,13 @@ class ProxyApp:
                 break
         request.raw_body = b"".join(chunks)
         try:
-            body = json.loads(request.raw_body, parse_constant=_no_constants)
-        except (ValueError, UnicodeDecodeError) as exc:
+            # Strict: NaN/Infinity, lone surrogates and nesting past 1024 levels are refused here,
+            # since none of them could be sent on to the engine.
+            body = fastjson.loads(request.raw_body)
+        except fastjson.JSONDecodeError as exc:
             raise ProxyError("invalid_request", f"the request body is not valid JSON: {exc}") from exc
-        except RecursionError as exc:
-            raise ProxyError("invalid_request", "the request body nests JSON too deeply") from exc
         if not isinstance(body, dict):
             raise ProxyError("invalid_request", "the request body must be a JSON object")
-        if rb"\ud" in request.raw_body or rb"\uD" in request.raw_body:
-            # Escaped surrogates are fine in pairs (non-BMP characters from ASCII-only encoders);
-            # a lone one is valid JSON but not text, and could not be sent on.
-            try:
-                json.dumps(body, ensure_ascii=False).encode()
-            except UnicodeEncodeError as exc:
-                raise ProxyError("invalid_request", "the request body holds a lone UTF-16 surrogate") from exc
         return body
 
     # -- model calls -----------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from __future__ import annotations
 import array
 import asyncio
 import base64
-import json
 import logging
 import os
 import struct
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from legorl.api.trajectory import Turn
+from legorl.proxy import _json as fastjson
 
 __all__ = ["Journal", "JournalError", "Recovered", "read_journal", "turn_from_record", "turn_to_record"]
 
@@ -114,8 +114,8 @@ def _scan(data: bytes) -> tuple[list[dict[str, Any]], int]:
         if zlib.crc32(payload) != crc:
             break
         try:
-            record = json.loads(payload)
-        except ValueError:
+            record = fastjson.loads(payload)
+        except fastjson.JSONDecodeError:
             break
         if not isinstance(record, dict):
             break
@@ -143,7 +143,7 @@ def encode_record(record: dict[str, Any]) -> bytes:
     for key, kind in _PACKED.items():
         if isinstance(packed.get(key), list):
             packed[key] = _pack(packed[key], kind)
-    payload = json.dumps(packed, separators=(",", ":"), allow_nan=False).encode()
+    payload = fastjson.dumps(packed)
     return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 

@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 
+from legorl.proxy import _json as fastjson
 from legorl.proxy.errors import ProxyError
 from legorl.proxy.metrics import Metrics
 from legorl.proxy.settings import ProxySettings
@@ -30,6 +31,7 @@ __all__ = ["Upstream", "classify_engine_error"]
 log = logging.getLogger(__name__)
 
 _RETRY_STATUS = {503}
+_JSON_HEADERS = {"content-type": "application/json"}
 # vLLM's wording for prompts that do not fit: "This model's maximum context length is N tokens.
 # However, you requested M tokens...", "... longer than the maximum model length ...".
 _OVERFLOW = re.compile(
@@ -117,7 +119,12 @@ class Upstream:
         deadline = time.monotonic() + self.settings.retry_budget_seconds
         attempt = 0
         while True:
-            request = self.client.build_request(method, path, json=body)
+            request = self.client.build_request(
+                method,
+                path,
+                content=fastjson.dumps(body) if body is not None else None,
+                headers=_JSON_HEADERS if body is not None else None,
+            )
             try:
                 response = await self.client.send(request, stream=stream)
             except (
@@ -164,14 +171,14 @@ class Upstream:
             except httpx.HTTPError as exc:
                 raise ProxyError("engine_error", f"the engine dropped the answer: {exc}") from exc
         try:
-            data = json.loads(content)
-        except ValueError as exc:
+            data = fastjson.loads(content)
+        except fastjson.JSONDecodeError as exc:
             raise ProxyError("engine_error", "the engine sent a body that is not JSON") from exc
         if not isinstance(data, dict):
             raise ProxyError("engine_error", "the engine sent a body that is not a JSON object")
         return data
 
-    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[list[str], None]:
+    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[list[bytes], None]:
         """A streaming call; yields the SSE `data:` payloads that arrived together, as a batch.
 
         Whatever one socket read brought is handled (and relayed to the harness) at once: the
@@ -184,7 +191,7 @@ class Upstream:
                     pending += raw.replace(b"\r\n", b"\n") if b"\r" in raw else raw
                     *events, pending = pending.split(b"\n\n")
                     batch = [
-                        line[5:].strip().decode()
+                        line[5:].strip()
                         for event in events
                         for line in event.split(b"\n")
                         if line.startswith(b"data:")
@@ -192,7 +199,7 @@ class Upstream:
                     if batch:
                         yield batch
                 if pending.strip().startswith(b"data:"):
-                    yield [pending.strip()[5:].strip().decode()]
+                    yield [pending.strip()[5:].strip()]
             except httpx.TimeoutException as exc:
                 raise ProxyError("engine_error", "the engine went silent mid-stream", status=504) from exc
             except httpx.HTTPError as exc:
@@ -201,8 +208,8 @@ class Upstream:
     async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         async with self._send("POST", "/tokenize", body, stream=True) as response:
             try:
-                data = json.loads(await response.aread())
-            except ValueError as exc:
+                data = fastjson.loads(await response.aread())
+            except fastjson.JSONDecodeError as exc:
                 raise ProxyError("engine_error", "the engine's /tokenize answer is not JSON") from exc
             except httpx.HTTPError as exc:
                 raise ProxyError("engine_error", f"the engine dropped its /tokenize answer: {exc}") from exc

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from legorl.proxy import _json as fastjson
 from legorl.proxy.errors import ProxyError
 
 __all__ = [
@@ -200,14 +201,14 @@ class StreamAccumulator:
         self._tool_index: dict[int, int] = {}
         self._prompt_seen = False
 
-    def feed(self, data: str) -> list[Event]:
+    def feed(self, data: bytes | str) -> list[Event]:
         """One SSE `data:` payload; returns the client-visible events it carries."""
-        if data.strip() == "[DONE]":
+        if data.strip() in (b"[DONE]", "[DONE]"):
             self.finished = True
             return []
         try:
-            chunk = json.loads(data)
-        except ValueError as exc:
+            chunk = fastjson.loads(data)
+        except fastjson.JSONDecodeError as exc:
             raise _garbage(f"a stream chunk is not JSON ({exc})") from exc
         if not isinstance(chunk, dict):
             raise _garbage("a stream chunk is not a JSON object")
@@ -395,9 +396,9 @@ def events_from_completion(comp: Completion) -> list[Event]:
 
 def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     """One server-sent event."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {payload}\n\n".encode()
+    payload = data.encode() if isinstance(data, str) else fastjson.dumps(data)
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + payload + b"\n\n"
 
 
 def parse_arguments(arguments: str) -> dict[str, Any]:
