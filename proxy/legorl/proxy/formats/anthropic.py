@@ -19,14 +19,15 @@ from legorl.proxy.formats.common import (
     TextDelta,
     ToolCallArgs,
     ToolCallStart,
-    check_function_tool,
     engine_body,
+    function_tool,
     new_id,
     number,
     parse_arguments,
     positive_int,
     sse,
     string_list,
+    tool_list,
 )
 
 API_FORMAT = ApiFormat.ANTHROPIC_MESSAGES
@@ -153,12 +154,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _tools(value: Any) -> list[dict[str, Any]] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise ProxyError("invalid_request", "tools must be a list", param="tools")
     tools = []
-    for i, tool in enumerate(value):
+    for i, tool in enumerate(tool_list(value) or []):
         if not isinstance(tool, dict):
             raise ProxyError("invalid_request", f"tools.{i} must be an object", param="tools")
         if tool.get("type") not in (None, "custom") and "input_schema" not in tool:
@@ -166,14 +163,7 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
         schema = tool.get("input_schema")
         if schema is None:
             raise ProxyError("invalid_request", f"tools.{i}.input_schema: field required", param="tools")
-        check_function_tool(tool.get("name"), schema, f"tools.{i}")
-        function = {"name": tool["name"], "parameters": schema}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        if isinstance(tool.get("strict"), bool):
-            # The engine constrains arguments to the schema only for strict tools.
-            function["strict"] = tool["strict"]
-        tools.append({"type": "function", "function": function})
+        tools.append(function_tool(tool, schema, f"tools.{i}"))
     return tools or None
 
 

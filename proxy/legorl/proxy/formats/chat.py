@@ -21,6 +21,7 @@ from legorl.proxy.formats.common import (
     positive_int,
     sse,
     string_list,
+    tool_list,
 )
 
 API_FORMAT = ApiFormat.OPENAI_CHAT
@@ -52,10 +53,9 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 
 def _tools(value: Any) -> list[dict[str, Any]] | None:
+    value = tool_list(value)
     if value is None:
         return None
-    if not isinstance(value, list):
-        raise ProxyError("invalid_request", "tools must be a list", param="tools")
     for i, tool in enumerate(value):
         if (
             not isinstance(tool, dict)

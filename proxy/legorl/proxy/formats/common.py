@@ -333,6 +333,28 @@ def check_function_tool(name: Any, parameters: Any, where: str) -> None:
         )
 
 
+def tool_list(value: Any) -> list[Any] | None:
+    """The request's `tools`, checked to be a list (None when absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ProxyError("invalid_request", "tools must be a list", param="tools")
+    return value
+
+
+def function_tool(tool: dict[str, Any], parameters: Any, where: str) -> dict[str, Any]:
+    """An Anthropic or Responses function tool as the engine's chat `tools` entry."""
+    check_function_tool(tool.get("name"), parameters, where)
+    function: dict[str, Any] = {"name": tool["name"], "parameters": parameters}
+    if isinstance(tool.get("description"), str):
+        function["description"] = tool["description"]
+    if isinstance(tool.get("strict"), bool):
+        # The engine constrains arguments to the schema only for strict tools. Passed on only
+        # when the harness says so: its grammar may not support every schema a harness sends.
+        function["strict"] = tool["strict"]
+    return {"type": "function", "function": function}
+
+
 def engine_body(
     *,
     messages: list[dict[str, Any]],

@@ -22,12 +22,13 @@ from legorl.proxy.formats.common import (
     TextDelta,
     ToolCallArgs,
     ToolCallStart,
-    check_function_tool,
     engine_body,
+    function_tool,
     new_id,
     number,
     positive_int,
     sse,
+    tool_list,
 )
 
 API_FORMAT = ApiFormat.OPENAI_RESPONSES
@@ -127,25 +128,13 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _tools(value: Any) -> list[dict[str, Any]] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise ProxyError("invalid_request", "tools must be a list", param="tools")
     tools = []
-    for i, tool in enumerate(value):
+    for i, tool in enumerate(tool_list(value) or []):
         if not isinstance(tool, dict):
             raise ProxyError("invalid_request", f"tools[{i}] must be an object", param="tools")
         if tool.get("type") != "function":
-            continue
-        check_function_tool(tool.get("name"), tool.get("parameters"), f"tools[{i}]")
-        function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        if isinstance(tool.get("strict"), bool):
-            # Passed on only when the harness says so: the engine's grammar may not support
-            # every schema a harness sends, so strictness is not assumed.
-            function["strict"] = tool["strict"]
-        tools.append({"type": "function", "function": function})
+            continue  # hosted tools (web_search, namespace...): the engine cannot run them
+        tools.append(function_tool(tool, tool.get("parameters") or {"type": "object"}, f"tools[{i}]"))
     return tools or None
 
 
