@@ -206,7 +206,8 @@ class ProxyApp:
         try:
             await self._route(request, receive, tracked)
         except ProxyError as error:
-            await self._send_error(request, send, error)
+            if not started:  # mid-answer, the format's own error event has already been sent
+                await self._send_error(request, send, error)
         except Exception as exc:  # a bug must still answer in the client's format
             log.exception("unexpected error serving %s %s", request.method, request.path)
             self.metrics.inc("legorl_proxy_errors_total", kind="proxy_error")
