@@ -130,6 +130,34 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+PROXY_DESCRIPTION = (
+    "Serve the harness's model calls from the rollout engine, journaling every turn's token "
+    "ids, log-probs and routing durably before answering. Example: legorl proxy "
+    "--upstream http://127.0.0.1:8000 --journal ./journal --trial t0"
+)
+
+
+def proxy_parser() -> argparse.ArgumentParser:
+    """`legorl proxy`'s own parser: one flag per proxy setting (it imports pydantic, so it is
+    built only when the command runs, keeping `legorl --help` instant)."""
+    from legorl.proxy.main import add_arguments  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="legorl proxy", description=PROXY_DESCRIPTION)
+    add_arguments(parser)
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="log level (any case)",
+    )
+    return parser
+
+
+def _run_proxy(argv: Sequence[str]) -> int:
+    return _cmd_proxy(proxy_parser().parse_args(list(argv)))
+
+
 def _cmd_proxy(args: argparse.Namespace) -> int:
     from pydantic import ValidationError  # noqa: PLC0415
 
@@ -271,23 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "proxy",
         help="run one trial's LLM proxy (OpenAI Chat, OpenAI Responses, Anthropic Messages → vLLM)",
-        description=(
-            "Serve the harness's model calls from the rollout engine, journaling every turn's token "
-            "ids, log-probs and routing durably before answering. Example: legorl proxy "
-            "--upstream http://127.0.0.1:8000 --journal ./journal --trial t0"
-        ),
+        description=PROXY_DESCRIPTION + " (see `legorl proxy --help` for every flag)",
+        add_help=False,
     )
-    from legorl.proxy.main import add_arguments  # noqa: PLC0415 - pydantic only, no server imports
-
-    add_arguments(p)
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="log level (any case)",
-    )
-    p.set_defaults(func=_cmd_proxy)
+    # `main` hands `legorl proxy ...` to proxy_parser() before this parser sees its flags.
+    p.set_defaults(func=lambda _args: _run_proxy(["--help"]))
 
     p = sub.add_parser(
         "crds",
@@ -304,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["proxy"]:
+        return _run_proxy(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
