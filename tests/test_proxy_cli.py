@@ -95,3 +95,19 @@ def test_invalid_settings_exit_2_with_the_reason(argv: list[str], message: str) 
     )
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
+
+
+def test_importing_the_proxy_first_leaves_the_generated_crds_unchanged() -> None:
+    # typing caches equal Literals whatever their order: a proxy setting spelled in another order
+    # than the API's once reordered the RLRun CRD's enum whenever the proxy was imported first.
+    code = (
+        "import legorl.proxy.main, legorl.proxy.app\n"
+        "from pathlib import Path\n"
+        "from legorl.manifests.generated import stale_files\n"
+        f"print(stale_files(Path({str(REPO)!r})))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

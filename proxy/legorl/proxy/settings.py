@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from legorl.api.run import ApiFormatName
+
 __all__ = ["ProxySettings"]
 
 
@@ -26,7 +28,10 @@ class ProxySettings(BaseModel):
     """RLRun this trial belongs to (recorded on every turn)."""
     trial: str = "trial-0"
     """Trial id (recorded on every turn)."""
-    api_format: Literal["OpenAIChatCompletions", "OpenAIResponses", "AnthropicMessages"] | None = None
+    # The API's own alias: typing caches Literals that compare equal (same members, any order), so
+    # a second spelling in another order would reorder the generated CRD's enum depending on
+    # which module was imported first.
+    api_format: ApiFormatName | None = None
     """API the harness is expected to speak; every format is served, others are counted in the
     metrics as unexpected (a misconfigured harness shows up there first)."""
 
