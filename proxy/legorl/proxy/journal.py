@@ -33,8 +33,9 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -260,9 +261,6 @@ class Journal:
         self._thread.join()
         os.close(self._fd)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(read_journal(self.directory).records)
-
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
     if future.done():
@@ -282,8 +280,6 @@ def turn_to_record(turn: Turn) -> dict[str, Any]:
 
 
 def turn_from_record(record: dict[str, Any]) -> Turn:
-    from datetime import datetime  # noqa: PLC0415 - only readers need it
-
     row = dict(record)
     row["started_at"] = datetime.fromisoformat(row["started_at"])
     row["ended_at"] = datetime.fromisoformat(row["ended_at"])

@@ -91,11 +91,6 @@ class Metrics:
         with self._lock:
             self._gauges[name] = self._gauges.get(name, 0.0) + delta
 
-    def counter(self, name: str, **labels: str) -> float:
-        key = tuple(sorted(labels.items()))
-        with self._lock:
-            return self._counters[name].get(key, 0.0)
-
     def render(self) -> str:
         """The Prometheus text exposition format (version 0.0.4)."""
         lines: list[str] = []

@@ -13,7 +13,7 @@ can call them again on a journal it reads back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from legorl.api.trajectory import Segment, Turn
 
@@ -41,7 +41,6 @@ class Assembly:
     merged_turns: int
     """Turns that extended an earlier segment exactly."""
     turns: int
-    warnings: list[str] = field(default_factory=list)
 
     @property
     def merged_turn_share(self) -> float | None:

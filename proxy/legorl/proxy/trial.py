@@ -11,7 +11,7 @@ import base64
 import binascii
 import io
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -191,8 +191,6 @@ class Trial:
 
     async def record(self, turn: Turn) -> Turn:
         """Journal the turn durably; only then may the harness see the answer."""
-        from dataclasses import replace  # noqa: PLC0415
-
         turn = replace(turn, index=self.next_index)
         self.next_index += 1
         try:

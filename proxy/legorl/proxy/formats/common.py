@@ -81,10 +81,6 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
-    @property
-    def content_filtered(self) -> bool:
-        return self.finish_reason == "content_filter"
-
 
 @dataclass(frozen=True)
 class TextDelta:
