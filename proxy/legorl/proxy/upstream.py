@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 _RETRY_STATUS = {503}
 _JSON_HEADERS = {"content-type": "application/json"}
+# Refused, not accepted in time, or dropped before an answer: the engine is (re)starting or
+# swamped. Nothing reached it, so asking again is safe (model calls and version reads alike).
+_UNREACHED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError)
 # vLLM's wording for prompts that do not fit: "This model's maximum context length is N tokens.
 # However, you requested M tokens...", "... longer than the maximum model length ...".
 _OVERFLOW = re.compile(
@@ -127,14 +130,7 @@ class Upstream:
             )
             try:
                 response = await self.client.send(request, stream=stream)
-            except (
-                httpx.ConnectError,
-                httpx.ConnectTimeout,
-                httpx.PoolTimeout,
-                httpx.RemoteProtocolError,
-            ) as exc:
-                # Refused, not accepted in time, or dropped before an answer: the engine is
-                # (re)starting or swamped. Nothing reached it, so asking again is safe.
+            except _UNREACHED as exc:
                 await self._backoff(attempt, deadline, f"{type(exc).__name__}: {exc}")
                 attempt += 1
                 continue
@@ -188,7 +184,9 @@ class Upstream:
             pending = b""
             try:
                 async for raw in response.aiter_raw():
-                    pending += raw.replace(b"\r\n", b"\n") if b"\r" in raw else raw
+                    pending += raw
+                    if b"\r" in pending:  # normalised on the buffer: a CRLF may straddle two reads
+                        pending = pending.replace(b"\r\n", b"\n")
                     *events, pending = pending.split(b"\n\n")
                     batch = [
                         line[5:].strip()
@@ -245,12 +243,7 @@ class Upstream:
         while True:
             try:
                 response = await self.client.get("/weight_info")
-            except (
-                httpx.ConnectError,
-                httpx.ConnectTimeout,
-                httpx.PoolTimeout,
-                httpx.RemoteProtocolError,
-            ) as exc:
+            except _UNREACHED as exc:
                 if not wait:
                     return None
                 await self._backoff(attempt, deadline, f"{type(exc).__name__}: {exc}")
