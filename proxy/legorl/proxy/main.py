@@ -107,6 +107,8 @@ def serve(settings: ProxySettings) -> None:
         app,
         host=settings.host,
         port=settings.port,
+        # uvicorn makes the socket 0666: the sandboxed harness runs as another uid.
+        uds=settings.unix_socket,
         lifespan="on",
         log_level="warning",
         access_log=False,
@@ -116,10 +118,9 @@ def serve(settings: ProxySettings) -> None:
     )
     server = uvicorn.Server(config)
     log.info(
-        "proxy for trial %s listening on %s:%d → %s",
+        "proxy for trial %s listening on %s → %s",
         settings.trial,
-        settings.host,
-        settings.port,
+        settings.unix_socket or f"{settings.host}:{settings.port}",
         settings.upstream,
     )
     # run() sets up uvicorn's event loop: uvloop and httptools when installed (uvicorn[standard]).

@@ -39,6 +39,9 @@ class ProxySettings(BaseModel):
     """Address to listen on; loopback by default (the harness shares the pod or sandbox)."""
     port: Annotated[int, Field(ge=0, le=65535)] = 4000
     """Port to listen on (0: any free port)."""
+    unix_socket: Annotated[str, Field(min_length=1, max_length=107)] | None = None
+    """Listen on this Unix socket instead of host:port (mode 0666: the local sandbox backend binds it
+    into a trial's network namespace, where it is the only way out)."""
 
     # Sampling the proxy enforces over what the harness asks (RLRun spec.sampling).
     temperature: Annotated[float, Field(gt=0.0, le=2.0)] | None = None

@@ -1,0 +1,292 @@
+"""The agent's changes: captured from its workspace without trusting it, sanitized, applied to verify.
+
+The agent controls everything in its workspace, `.git` included, so nothing here runs git (or any
+program) on it: a repository's config can name hooks, filters, pagers and fsmonitors that would run
+with the caller's rights. Instead the workspace is walked with `lstat` and compared with the
+baseline the setup stage recorded (path → mode, size, SHA-256). What changed becomes a `ChangeSet`:
+regular text files with their new content, and deletions. Symlinks, special files, binary content,
+paths outside the repository, test files and test-runner hooks are findings; `sanitize` drops them
+and reports each one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+from legorl.sandbox.paths import hook_reason, is_test_path
+
+FindingKind = Literal[
+    "test_file_modified",
+    "test_hook_added",
+    "symlink",
+    "binary_patch",
+    "outside_repo",
+    "egress_attempt",
+]
+"""Same closed set as `legorl.api.trajectory.TamperFinding.kind` (a test keeps them equal)."""
+
+MAX_FILE_BYTES = 2 * 1024 * 1024
+MAX_TOTAL_BYTES = 32 * 1024 * 1024
+MAX_FILES = 5000
+EXCLUDED_DIRS = frozenset({".git"})
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing in the agent's changes that could game the reward; stripped and reported."""
+
+    kind: FindingKind
+    path: str | None
+    detail: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": self.path, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A baseline entry: what a path was when the agent started."""
+
+    mode: int
+    size: int
+    sha256: str
+
+
+def _hash(path: Path) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _walk(root: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """Every entry below root except `.git`, as (relative posix path, lstat), never following links."""
+    stack = [root]
+    while stack:
+        current = stack.pop()
+        with os.scandir(current) as it:
+            for item in sorted(it, key=lambda e: e.name):
+                st = item.stat(follow_symlinks=False)
+                rel = Path(item.path).relative_to(root).as_posix()
+                if stat.S_ISDIR(st.st_mode):
+                    if item.name not in EXCLUDED_DIRS:
+                        stack.append(Path(item.path))
+                    continue
+                yield rel, st
+
+
+def baseline(root: Path) -> dict[str, Entry]:
+    """Record the workspace as the agent receives it (regular files and links; `.git` excluded)."""
+    entries: dict[str, Entry] = {}
+    for rel, st in _walk(root):
+        if stat.S_ISREG(st.st_mode):
+            size, digest = _hash(root / rel)
+            entries[rel] = Entry(stat.S_IMODE(st.st_mode), size, digest)
+        else:
+            entries[rel] = Entry(stat.S_IFMT(st.st_mode), st.st_size, "")
+    return entries
+
+
+def save_baseline(entries: dict[str, Entry], path: Path) -> None:
+    data = {k: [e.mode, e.size, e.sha256] for k, e in sorted(entries.items())}
+    path.write_text(json.dumps({"version": 1, "files": data}), encoding="utf-8")
+
+
+def load_baseline(path: Path) -> dict[str, Entry]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return {k: Entry(int(v[0]), int(v[1]), str(v[2])) for k, v in data["files"].items()}
+
+
+@dataclass
+class ChangeSet:
+    """Changed and added text files (new content) and deleted paths, plus what was refused."""
+
+    files: dict[str, str] = field(default_factory=dict)
+    executable: set[str] = field(default_factory=set)
+    deleted: set[str] = field(default_factory=set)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def paths(self) -> list[str]:
+        return sorted(set(self.files) | self.deleted)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "files": {k: self.files[k] for k in sorted(self.files)},
+            "executable": sorted(self.executable),
+            "deleted": sorted(self.deleted),
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ChangeSet:
+        """Load a change set from JSON; every path is checked again (it crossed a trust boundary)."""
+        if not isinstance(data, dict) or data.get("version") != 1:
+            raise ValueError("not a legorl change set (version 1)")
+        out = cls()
+        files = data.get("files", {})
+        if not isinstance(files, dict):
+            raise ValueError("change set 'files' must be an object")
+        for path, content in files.items():
+            if not isinstance(path, str) or not isinstance(content, str):
+                raise ValueError("change set 'files' maps paths to text")
+            out.files[path] = content
+        out.executable = {str(p) for p in data.get("executable", [])}
+        out.deleted = {str(p) for p in data.get("deleted", [])}
+        for item in data.get("findings", []):
+            out.findings.append(Finding(item["kind"], item.get("path"), str(item.get("detail", ""))))
+        return out
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` cannot be written inside the repository (None when it is a plain relative path)."""
+    if not path or "\x00" in path or "\\" in path or "\n" in path:
+        return "path contains NUL, backslash or newline"
+    p = PurePosixPath(path)
+    if p.is_absolute() or ".." in p.parts or "." in p.parts or p.as_posix() != path:
+        return "path is absolute or leaves the repository"
+    if any(part in EXCLUDED_DIRS for part in p.parts):
+        return "path is inside .git"
+    return None
+
+
+def capture(root: Path, base: dict[str, Entry]) -> ChangeSet:
+    """Compare the workspace with its baseline; never follows a link, never runs a program."""
+    changes = ChangeSet()
+    seen: set[str] = set()
+    total = 0
+    for rel, st in _walk(root):
+        seen.add(rel)
+        before = base.get(rel)
+        if stat.S_ISLNK(st.st_mode):
+            if before is None or before.sha256 or before.mode != stat.S_IFLNK:
+                target = (root / rel).readlink()
+                changes.findings.append(Finding("symlink", rel, f"symbolic link to {target!r} refused"))
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            changes.findings.append(
+                Finding("symlink", rel, "not a regular file (fifo, socket or device) refused")
+            )
+            continue
+        if before is not None and before.size == st.st_size and before.sha256:
+            _, digest = _hash(root / rel)
+            if digest == before.sha256:
+                if stat.S_IMODE(st.st_mode) & 0o111 != before.mode & 0o111:
+                    changes.files[rel] = (root / rel).read_text(encoding="utf-8", errors="replace")
+                    if st.st_mode & 0o100:
+                        changes.executable.add(rel)
+                continue
+        problem = path_problem(rel)
+        if problem:
+            changes.findings.append(Finding("outside_repo", rel, problem))
+            continue
+        if len(changes.files) >= MAX_FILES:
+            changes.findings.append(Finding("binary_patch", rel, f"more than {MAX_FILES} changed files"))
+            continue
+        if st.st_size > MAX_FILE_BYTES or total + st.st_size > MAX_TOTAL_BYTES:
+            changes.findings.append(
+                Finding("binary_patch", rel, f"file of {st.st_size} bytes exceeds the change-set size limits")
+            )
+            continue
+        raw = (root / rel).read_bytes()
+        try:
+            if b"\x00" in raw:
+                raise UnicodeDecodeError("utf-8", raw, 0, 1, "NUL byte")
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            changes.findings.append(Finding("binary_patch", rel, "binary content refused (only UTF-8 text)"))
+            continue
+        total += len(raw)
+        changes.files[rel] = text
+        if st.st_mode & 0o100:
+            changes.executable.add(rel)
+    for rel in base:
+        if rel not in seen:
+            changes.deleted.add(rel)
+    return changes
+
+
+def sanitize(
+    changes: ChangeSet, *, hidden_tests: Iterable[str] = (), existing_tops: frozenset[str] = frozenset()
+) -> ChangeSet:
+    """Drop what the agent may not change (tests, test-runner hooks, bad paths) and report it."""
+    hidden = frozenset(hidden_tests)
+    out = ChangeSet(findings=list(changes.findings))
+    for rel in changes.paths:
+        problem = path_problem(rel)
+        if problem:
+            out.findings.append(Finding("outside_repo", rel, problem))
+            continue
+        action = "deleted" if rel in changes.deleted else "changed"
+        if is_test_path(rel, hidden):
+            out.findings.append(
+                Finding("test_file_modified", rel, f"test file {action}; restored for verify")
+            )
+            continue
+        reason = hook_reason(rel, existing_tops)
+        if reason:
+            out.findings.append(Finding("test_hook_added", rel, f"{reason}; {action} file ignored"))
+            continue
+        if rel in changes.deleted:
+            out.deleted.add(rel)
+        else:
+            out.files[rel] = changes.files[rel]
+            if rel in changes.executable:
+                out.executable.add(rel)
+    return out
+
+
+def apply(changes: ChangeSet, root: Path) -> None:
+    """Write a sanitized change set into a fresh tree; refuses to follow any link on the way."""
+    for rel in sorted(changes.deleted):
+        if path_problem(rel):
+            raise ValueError(f"refusing to delete {rel!r}")
+        target = root / rel
+        _check_no_links(root, rel)
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+    for rel, text in sorted(changes.files.items()):
+        if path_problem(rel):
+            raise ValueError(f"refusing to write {rel!r}")
+        _check_no_links(root, rel)
+        target = root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        fd = os.open(target, flags, 0o755 if rel in changes.executable else 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(text.encode("utf-8"))
+        target.chmod(0o755 if rel in changes.executable else 0o644)
+
+
+def _check_no_links(root: Path, rel: str) -> None:
+    current = root
+    for part in PurePosixPath(rel).parts[:-1]:
+        current = current / part
+        if current.is_symlink():
+            raise ValueError(f"refusing to write through the link {current}")
+
+
+def unified_diff(changes: ChangeSet, pristine: Path) -> str:
+    """A readable `git diff`-style rendering of the change set against the pristine tree."""
+    chunks: list[str] = []
+    for rel in changes.paths:
+        old_path = pristine / rel
+        old = old_path.read_text(encoding="utf-8", errors="replace") if old_path.is_file() else ""
+        new = "" if rel in changes.deleted else changes.files[rel]
+        a = f"a/{rel}" if old_path.is_file() else "/dev/null"
+        b = "/dev/null" if rel in changes.deleted else f"b/{rel}"
+        chunks.append(f"diff --git a/{rel} b/{rel}\n")
+        chunks.extend(difflib.unified_diff(old.splitlines(True), new.splitlines(True), a, b))
+    return "".join(c if c.endswith("\n") else c + "\n\\ No newline at end of file\n" for c in chunks)

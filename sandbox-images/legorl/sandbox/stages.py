@@ -1,0 +1,86 @@
+"""The stages written once, used by both backends: setup's workspace and verify's pristine tree.
+
+Backends differ in where a stage runs (an init container or verify pod on Kubernetes, a bubblewrap
+sandbox locally) and how a command is isolated; what a stage does to files lives here.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from legorl.sandbox import changes as ch
+from legorl.sandbox import workspace
+from legorl.sandbox.checks import Check
+from legorl.sandbox.grade import Grade, GradeError, grade, parse_junit, parse_pytest_log
+from legorl.sandbox.task import Task
+
+
+@dataclass
+class SetupResult:
+    """The staged workspace's self-tests and its baseline (what capture compares against)."""
+
+    checks: list[Check]
+    baseline: dict[str, ch.Entry]
+
+
+def setup(pristine: Path, into: Path, task: Task, *, git_history: str = "BaseCommitOnly") -> SetupResult:
+    """Stage 1: build the agent's workspace from the pristine tree and self-test it."""
+    checks = workspace.stage(pristine, into, hidden_tests=task.hidden_test_files, git_history=git_history)
+    return SetupResult(checks, ch.baseline(into))
+
+
+def top_level_names(tree: Path) -> frozenset[str]:
+    return frozenset(p.name for p in tree.iterdir() if p.name != ".git")
+
+
+@dataclass
+class VerifyTree:
+    """A fresh tree for verification: pristine + the agent's sanitized changes + the hidden tests."""
+
+    path: Path
+    applied: ch.ChangeSet
+    findings: list[ch.Finding] = field(default_factory=list)
+
+
+def prepare_verify(pristine: Path, into: Path, task: Task, changes: ch.ChangeSet) -> VerifyTree:
+    """Stage 3, files: copy the pristine tree, apply the sanitized changes, restore hidden tests."""
+    workspace.copy_tree(pristine, into)
+    clean = ch.sanitize(changes, hidden_tests=task.hidden_test_files, existing_tops=top_level_names(pristine))
+    ch.apply(clean, into)
+    patch = subprocess.run(
+        ["git", "apply", "--whitespace=nowarn", "-"],
+        input=task.test_patch,
+        cwd=into,
+        env=workspace.git_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if patch.returncode != 0:
+        raise GradeError(f"the task's test patch does not apply to the pristine tree: {patch.stderr.strip()}")
+    return VerifyTree(into, clean, clean.findings)
+
+
+def test_argv(task: Task, junit: str) -> list[str]:
+    """The task's test command with `{junit}` and `{tests}` filled in (no shell involved)."""
+    argv: list[str] = []
+    for word in shlex.split(task.test_command):
+        if word == "{tests}":
+            argv.extend(task.test_files)
+        else:
+            argv.append(word.replace("{junit}", junit))
+    return argv
+
+
+def grade_run(task: Task, junit: Path, log: str) -> Grade:
+    """Reward from the verifier's JUnit XML, or from its `-rA` log when the XML is missing."""
+    try:
+        results = parse_junit(junit)
+    except GradeError:
+        results = parse_pytest_log(log)
+        if not results:
+            raise
+    return grade(results, task.fail_to_pass, task.pass_to_pass)
