@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run every check CI runs, from a fresh clone: creates .venv, installs legorl with its dev
-# extra, vLLM's CPU build and the harness CLIs the tests drive (scripts/get-engine.sh), fetches
+# extra, vLLM's CPU build and the harness CLIs the tests drive (scripts/get-engine.sh), the
+# sandbox's system tools (scripts/get-sandbox-tools.sh: bubblewrap, iptables), fetches
 # helm (scripts/get-helm.sh), then lint, types, import layers, generated-file drift and the
 # test suite. Usage: bash scripts/test.sh [pytest args...]
 set -euo pipefail
@@ -13,6 +14,7 @@ step() { printf '\n==> %s\n' "$*"; }
 step "virtualenv and dependencies"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 bash scripts/get-engine.sh
+bash scripts/get-sandbox-tools.sh
 bash scripts/get-helm.sh .cache/tools
 export PATH="$PWD/.venv/bin:$PATH"
 export LEGORL_HELM="$PWD/.cache/tools/bin/helm"

@@ -17,6 +17,7 @@ from typing import Literal
 Status = Literal["PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS"]
 MAX_RESULTS_BYTES = 64 * 1024 * 1024
 _LOG_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)")
+_SKIP_COUNT = re.compile(r"^\[\d+\]$")  # "SKIPPED [2] file.py:10: reason" names no test
 
 
 class GradeError(ValueError):
@@ -74,7 +75,8 @@ def parse_pytest_log(log: str) -> dict[str, Status]:
         match = _LOG_LINE.match(line)
         if match:
             status, test_id = match.groups()
-            results[test_id] = status  # type: ignore[assignment]
+            if not _SKIP_COUNT.match(test_id):
+                results[test_id] = status  # type: ignore[assignment]
     return results
 
 

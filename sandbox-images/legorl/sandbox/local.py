@@ -255,8 +255,8 @@ class LocalBackend:
 
     @contextlib.contextmanager
     def identity(self) -> Iterator[int]:
-        """A host uid no other live sandbox uses (the caller's own uid when not root)."""
-        if not self.is_root:
+        """A host uid no other live sandbox uses (the caller's own uid when not root or unisolated)."""
+        if not (self.is_root and self.defenses.isolate):
             yield os.getuid()
             return
         with self._lock:
@@ -415,7 +415,7 @@ class LocalBackend:
         args += _system_binds()
         args += _mount_points([*all_binds, ("", HOME + "/x", False), ("", "/tmp/x", False)])  # noqa: S108
         args += ["--proc", "/proc", "--dev", "/dev"]
-        args += ["--size", str(limits.tmp_bytes), "--tmpfs", "/tmp"]  # noqa: S108 - private tmpfs
+        args += ["--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]  # noqa: S108 - private
         args += ["--size", str(limits.tmp_bytes), "--perms", "0777", "--tmpfs", HOME]
         for host, inside, writable in all_binds:
             args += ["--bind" if writable else "--ro-bind", host, inside]

@@ -6,7 +6,6 @@ reason (turn limit, context overflow, engine error) is reconciled by the run con
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -22,7 +21,6 @@ from legorl.sandbox import changes as ch
 from legorl.sandbox import stages, workspace
 from legorl.sandbox.checks import Check
 from legorl.sandbox.grade import Grade, GradeError
-from legorl.sandbox.inner import EXIT_DEFENSE_FAILED
 from legorl.sandbox.local import (
     HOME,
     INNER_LIB,
@@ -132,6 +130,154 @@ def agent_env(task: Task, extra: Mapping[str, str] | None = None, port: int = 40
     return env
 
 
+@dataclass
+class _Trial:
+    """One trial's folders and the mounts to undo."""
+
+    backend: LocalBackend
+    task_set: TaskSet
+    task: Task
+    out: TrialOutcome
+    dir: Path
+    mounts: list[Path] = field(default_factory=list)
+
+    def folder(self, name: str) -> Path:
+        """A stage folder; a size-limited tmpfs when the backend can mount one."""
+        path = self.dir / name
+        if self.backend.make_workspace(path, self.backend.limits.workspace_bytes):
+            self.mounts.append(path)
+        return path
+
+    def fail(self, reason: str, error: str) -> TrialOutcome:
+        self.out.termination_reason, self.out.error = reason, error
+        return self.out
+
+    def setup(self) -> stages.SetupResult | None:
+        """Stage 1; None when a self-test failed (the trial is then `defense_failed`)."""
+        started = time.monotonic()
+        pristine = pristine_tree(self.backend, self.task_set, self.task)
+        staged = stages.setup(
+            pristine, self.folder("workspace"), self.task, git_history=self.backend.defenses.git_history
+        )
+        self.out.checks.extend(staged.checks)
+        task_dir = self.dir / "task"
+        task_dir.mkdir()
+        (task_dir / "problem.md").write_text(self.task.problem_statement, encoding="utf-8")
+        self.out.stage_seconds["setup"] = time.monotonic() - started
+        failed = [c for c in staged.checks if not c.passed]
+        if failed:
+            self.fail("defense_failed", "; ".join(f"{c.name}: {c.message}" for c in failed))
+            return None
+        return staged
+
+    def agent(
+        self,
+        argv: Sequence[str],
+        *,
+        proxy_socket: Path | None,
+        env: Mapping[str, str] | None,
+        seconds: float,
+        probes: Sequence[str],
+    ) -> bool:
+        """Stage 2; False when the sandbox's own self-test failed."""
+        backend, task, out = self.backend, self.task, self.out
+        ws = self.dir / "workspace"
+        egress_locked = backend.defenses.egress == "ProxyOnly"
+        with backend.identity() as uid:
+            if backend.is_root:
+                workspace.make_agent_owned(ws, uid, uid)
+            binds = [(str(ws), task.workspace_dir, True), (str(self.dir / "task"), TASK_DIR, False)]
+            inner: list[str] = []
+            if proxy_socket is not None:
+                binds.append((str(proxy_socket), PROXY_SOCKET, True))
+                inner += ["--proxy-socket", PROXY_SOCKET]
+            if not egress_locked:
+                inner.append("--no-egress-check")
+            for item in probes:
+                inner += ["--probe", item]
+            run = backend.run(
+                [*inner, "--", *argv],
+                uid=uid,
+                binds=binds,
+                cwd=task.workspace_dir,
+                env=agent_env(task, env),
+                timeout=seconds,
+                network=not egress_locked,
+                report=True,
+                name=f"agent-{out.trial}",
+            )
+        out.stage_seconds["agent_start"] = run.report_seconds
+        out.stage_seconds["agent"] = run.seconds
+        out.agent_exit_code = run.returncode
+        out.agent_output = run.output[-20000:]
+        checks = parse_report(run.report) if egress_locked else []
+        out.checks.extend(checks)
+        failed = [c for c in checks if not c.passed]
+        if failed:  # an empty or missing report is itself a failed check
+            self.fail(
+                "defense_failed", "; ".join(f"{c.name}: {c.message}" for c in failed) or run.output[-500:]
+            )
+            return False
+        if run.timed_out:
+            out.termination_reason = "agent_timeout"
+        else:
+            out.termination_reason = "completed" if run.returncode == 0 else "agent_error"
+        return True
+
+    def verify(self, staged: stages.SetupResult, seconds: float) -> TrialOutcome:
+        """Stage 3 in a fresh sandbox from the pristine tree (the agent's processes are all dead)."""
+        backend, task, out = self.backend, self.task, self.out
+        captured = runner_findings(ch.capture(self.dir / "workspace", staged.baseline))
+        started = time.monotonic()
+        pristine = pristine_tree(backend, self.task_set, task)
+        verify_dir = self.folder("verify")
+        results = verify_dir / "out"
+        results.mkdir()
+        try:
+            tree = stages.prepare_verify(pristine, verify_dir / "repo", task, captured)
+        except (GradeError, ValueError) as exc:
+            return self.fail("verifier_error", str(exc))
+        out.findings = tree.findings
+        out.diff = ch.unified_diff(tree.applied, pristine)
+        if backend.defenses.tamper_policy == "FailTrial" and out.findings:
+            out.reward = 0.0
+            out.stage_seconds["verify"] = time.monotonic() - started
+            return out
+        with backend.identity() as uid:
+            if backend.is_root:
+                workspace.make_agent_owned(verify_dir, uid, uid)
+            env = {k: v for k, v in agent_env(task).items() if not k.startswith(("OPENAI", "ANTHROPIC"))}
+            run = backend.run(
+                stages.test_argv(task, f"{OUT_DIR}/junit.xml"),
+                uid=uid,
+                binds=[(str(verify_dir / "repo"), task.workspace_dir, True), (str(results), OUT_DIR, True)],
+                cwd=task.workspace_dir,
+                env=env | {"PYTHONNOUSERSITE": "1"},
+                timeout=seconds,
+                name=f"verify-{out.trial}",
+            )
+        out.verify_output = run.output[-20000:]
+        out.stage_seconds["verify"] = time.monotonic() - started
+        if run.timed_out:
+            out.reward, out.error = 0.0, f"tests ran past the {seconds:.0f} s verify deadline"
+            return out
+        try:
+            out.grade = stages.grade_run(task, results / "junit.xml", run.output)
+        except GradeError as exc:
+            return self.fail("verifier_error", str(exc))
+        out.reward = out.grade.reward
+        return out
+
+    def close(self, keep: bool) -> None:
+        for mount in self.mounts:
+            self.backend.unmount(mount)
+        if not keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        outcomes = self.backend.root / "outcomes"
+        outcomes.mkdir(exist_ok=True)
+        (outcomes / f"{self.out.trial}.json").write_text(json.dumps(self.out.to_dict(), indent=1))
+
+
 def run_local_trial(
     backend: LocalBackend,
     task_set: TaskSet,
@@ -146,7 +292,10 @@ def run_local_trial(
     probes: Sequence[str] = (),
     keep: bool = False,
 ) -> TrialOutcome:
-    """Run the four stages of one trial; every failure is classified, nothing is left running."""
+    """Run the stages of one trial; every failure is classified, nothing is left running.
+
+    `probes` (HOST:PORT) are extra addresses the sandbox's egress self-test must find unreachable
+    (the engine's address, say). The outcome is also written to `<root>/outcomes/<trial>.json`."""
     out = TrialOutcome(
         trial=trial_id, task_id=task.instance_id, termination_reason="sandbox_error", reward=None
     )
@@ -154,133 +303,19 @@ def run_local_trial(
     if trial_dir.exists():
         raise SandboxError(f"trial folder {trial_dir} already exists (trial ids must be unique)")
     trial_dir.mkdir(parents=True)
-    mounts: list[Path] = []
-    defenses = backend.defenses
+    trial = _Trial(backend, task_set, task, out, trial_dir)
     try:
-        # Stage 1: setup.
-        started = time.monotonic()
-        pristine = pristine_tree(backend, task_set, task)
-        ws = trial_dir / "workspace"
-        if backend.make_workspace(ws, backend.limits.workspace_bytes):
-            mounts.append(ws)
-        staged = stages.setup(pristine, ws, task, git_history=defenses.git_history)
-        out.checks.extend(staged.checks)
-        task_dir = trial_dir / "task"
-        task_dir.mkdir()
-        (task_dir / "problem.md").write_text(task.problem_statement, encoding="utf-8")
-        out.stage_seconds["setup"] = time.monotonic() - started
-        if not all(c.passed for c in staged.checks):
-            out.termination_reason = "defense_failed"
-            out.error = "; ".join(f"{c.name}: {c.message}" for c in staged.checks if not c.passed)
+        staged = trial.setup()
+        if staged is None:
             return out
-
-        # Stage 2: agent.
-        with backend.identity() as uid:
-            if backend.is_root:
-                workspace.make_agent_owned(ws, uid, uid)
-            binds: list[tuple[str, str, bool]] = [
-                (str(ws), task.workspace_dir, True),
-                (str(task_dir), TASK_DIR, False),
-            ]
-            inner_args: list[str] = []
-            if proxy_socket is not None:
-                binds.append((str(proxy_socket), PROXY_SOCKET, True))
-                inner_args += ["--proxy-socket", PROXY_SOCKET]
-            if defenses.egress == "Unrestricted":
-                inner_args.append("--no-egress-check")
-            for item in probes:
-                inner_args += ["--probe", item]
-            run = backend.run(
-                [*inner_args, "--", *agent_argv],
-                uid=uid,
-                binds=binds,
-                cwd=task.workspace_dir,
-                env=agent_env(task, env),
-                timeout=agent_seconds,
-                network=defenses.egress == "Unrestricted",
-                report=True,
-                name=f"agent-{trial_id}",
-            )
-        out.stage_seconds["agent_start"] = run.report_seconds
-        out.stage_seconds["agent"] = run.seconds
-        out.agent_exit_code = run.returncode
-        out.agent_output = run.output[-20000:]
-        report_checks = parse_report(run.report) if defenses.egress == "ProxyOnly" else []
-        out.checks.extend(report_checks)
-        if (
-            report_checks and not all(c.passed for c in report_checks)
-        ) or run.returncode == EXIT_DEFENSE_FAILED:
-            out.termination_reason = "defense_failed"
-            out.error = (
-                "; ".join(f"{c.name}: {c.message}" for c in report_checks if not c.passed)
-                or run.output[-500:]
-            )
+        if not trial.agent(
+            agent_argv, proxy_socket=proxy_socket, env=env, seconds=agent_seconds, probes=probes
+        ):
             return out
-        if run.timed_out:
-            out.termination_reason = "agent_timeout"
-        elif run.returncode == 0:
-            out.termination_reason = "completed"
-        else:
-            out.termination_reason = "agent_error"
-
-        # The agent is gone (every process of its uid was killed); read what it left.
-        captured = runner_findings(ch.capture(ws, staged.baseline))
-
-        # Stage 3: verify, in a fresh sandbox from the pristine tree.
-        started = time.monotonic()
-        verify_dir = trial_dir / "verify"
-        if backend.make_workspace(verify_dir, backend.limits.workspace_bytes):
-            mounts.append(verify_dir)
-        repo = verify_dir / "repo"
-        results = verify_dir / "out"
-        results.mkdir()
-        try:
-            tree = stages.prepare_verify(pristine, repo, task, captured)
-        except (GradeError, ValueError) as exc:
-            out.termination_reason, out.error = "verifier_error", str(exc)
-            return out
-        out.findings = tree.findings
-        out.diff = ch.unified_diff(tree.applied, pristine)
-        if defenses.tamper_policy == "FailTrial" and out.findings:
-            out.reward = 0.0
-            out.stage_seconds["verify"] = time.monotonic() - started
-            return out
-        with backend.identity() as vuid:
-            if backend.is_root:
-                workspace.make_agent_owned(verify_dir, vuid, vuid)
-            vrun = backend.run(
-                stages.test_argv(task, f"{OUT_DIR}/junit.xml"),
-                uid=vuid,
-                binds=[(str(repo), task.workspace_dir, True), (str(results), OUT_DIR, True)],
-                cwd=task.workspace_dir,
-                env={k: v for k, v in agent_env(task).items() if not k.startswith(("OPENAI", "ANTHROPIC"))}
-                | {"PYTHONNOUSERSITE": "1"},
-                timeout=verify_seconds,
-                name=f"verify-{trial_id}",
-            )
-        out.verify_output = vrun.output[-20000:]
-        out.stage_seconds["verify"] = time.monotonic() - started
-        if vrun.timed_out:
-            out.reward, out.error = 0.0, f"tests ran past the {verify_seconds:.0f} s verify deadline"
-            return out
-        try:
-            out.grade = stages.grade_run(task, results / "junit.xml", vrun.output)
-        except GradeError as exc:
-            out.termination_reason, out.error = "verifier_error", str(exc)
-            return out
-        out.reward = out.grade.reward
-        return out
+        return trial.verify(staged, verify_seconds)
     except SandboxError as exc:
-        out.termination_reason, out.error = "sandbox_error", str(exc)
-        return out
+        return trial.fail("sandbox_error", str(exc))
     except workspace.SetupError as exc:
-        out.termination_reason, out.error = "sandbox_error", f"setup: {exc}"
-        return out
+        return trial.fail("sandbox_error", f"setup: {exc}")
     finally:
-        for mount in mounts:
-            backend.unmount(mount)
-        if not keep:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(trial_dir)
-        (backend.root / "outcomes").mkdir(exist_ok=True)
-        (backend.root / "outcomes" / f"{trial_id}.json").write_text(json.dumps(out.to_dict(), indent=1))
+        trial.close(keep)

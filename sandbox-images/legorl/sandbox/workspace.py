@@ -64,16 +64,18 @@ def git(args: Sequence[str], cwd: Path, *, check: bool = True) -> subprocess.Com
 
 
 def checkout_source(source: Path, base_commit: str, into: Path) -> None:
-    """Put the files of `base_commit` from a trusted git repository or bundle into `into` (no .git)."""
+    """Clone a trusted git repository or bundle into `into`, checked out at `base_commit`.
+
+    The clone keeps the source's whole history, as a task image's repository does: setup leaves it
+    behind (BaseCommitOnly) or copies it on purpose (Preserve); verify never uses it."""
     if not source.exists():
         raise SetupError(f"task source {source} does not exist")
-    with tempfile.TemporaryDirectory(prefix="legorl-src-") as tmp:
-        clone = Path(tmp) / "clone"
-        git(["clone", "--quiet", "--no-checkout", str(source), str(clone)], Path(tmp))
-        if git(["cat-file", "-e", f"{base_commit}^{{commit}}"], clone, check=False).returncode != 0:
-            raise SetupError(f"base commit {base_commit} is not in {source}")
-        into.mkdir(parents=True, exist_ok=True)
-        git(["--work-tree", str(into), "checkout", "--quiet", base_commit, "--", "."], clone)
+    into.parent.mkdir(parents=True, exist_ok=True)
+    git(["clone", "--quiet", "--no-checkout", str(source), str(into)], into.parent)
+    if git(["cat-file", "-e", f"{base_commit}^{{commit}}"], into, check=False).returncode != 0:
+        shutil.rmtree(into, ignore_errors=True)
+        raise SetupError(f"base commit {base_commit} is not in {source}")
+    git(["checkout", "--quiet", "--detach", base_commit], into)
 
 
 def copy_tree(src: Path, dst: Path) -> None:
