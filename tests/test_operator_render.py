@@ -23,7 +23,7 @@ from legorl.manifests.load import Document
 from legorl.manifests.validate import validate_document
 from legorl.operator.render.common import HASH_ANNOTATION, RenderContext, label_value, owner_key
 from legorl.operator.render.fleet import RenderError, render_fleet, vllm_args
-from legorl.operator.render.pool import PROXY_UID, TrialContext, render_pool, trial_pod
+from legorl.operator.render.pool import PROXY_UID, TrialContext, render_pool, trial_pod, verify_pod
 from legorl.operator.render.run import render_run
 from legorl.operator.render.tree import PLACEHOLDER_UID, render_all
 
@@ -300,8 +300,17 @@ def test_trial_pod_is_hardened_and_reaches_only_its_proxy() -> None:
     assert f"--allow-uid={PROXY_UID}" in init["egress-lock"]["args"]
     assert init["egress-lock"]["securityContext"]["capabilities"] == {
         "drop": ["ALL"],
-        "add": ["NET_ADMIN", "NET_RAW"],
+        "add": ["NET_ADMIN", "NET_RAW", "SETUID", "SETGID"],
     }
+    # Setup records the baseline the agent's changes are measured against; the agent cannot
+    # reach it, the proxy reads it (and the workspace) read-only to serve GET /changes.
+    mounts = {
+        c["name"]: {m["name"]: m for m in c["volumeMounts"]} for c in [*init.values(), *spec["containers"]]
+    }
+    assert "baseline" in mounts["setup"] and not mounts["setup"]["baseline"].get("readOnly")
+    assert "baseline" not in mounts["agent"]
+    assert mounts["proxy"]["baseline"]["readOnly"] and mounts["proxy"]["workspace"]["readOnly"]
+    assert "--baseline=/legorl-baseline/baseline.json" in init["setup"]["command"]
     (agent,) = spec["containers"]
     env = {e["name"]: e.get("value") for e in agent["env"]}
     assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:4000"
@@ -321,6 +330,52 @@ def test_trial_pod_is_hardened_and_reaches_only_its_proxy() -> None:
     )
     names = [c["name"] for c in trial_pod(relaxed, trial, RenderContext())["spec"]["initContainers"]]
     assert "egress-lock" not in names
+
+
+def test_verify_pod_runs_the_pristine_image_without_proxy_or_network() -> None:
+    (_, pool, _, _) = load(REPO / "examples/shared-fleet-and-pool.yaml")
+    assert isinstance(pool, SandboxPool)
+    trial = TrialContext(
+        run_name="coder-grpo",
+        trial_id="t-0001",
+        task_image="ghcr.io/example/astropy-12907:1",
+        harness=Harness(kind="ClaudeCode"),
+        fleet_url="http://coder-fleet-engine.default.svc:8000",
+        task_config_map="coder-grpo-t-0001-task",
+    )
+    pod = verify_pod(stored(pool), trial, RenderContext(), changes_config_map="coder-grpo-t-0001-changes")
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    text = "---\n" + to_yaml(pod)
+    golden = GOLDEN / "verify-pod.yaml"
+    if os.environ.get("LEGORL_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text()
+    spec = pod["spec"]
+    assert spec["activeDeadlineSeconds"] == pool.spec.deadlines.verify_seconds
+    assert [c["name"] for c in spec["initContainers"]] == ["tools"]
+    (verify,) = spec["containers"]
+    assert verify["image"] == trial.task_image
+    assert verify["command"][1] == "verify"
+    assert verify["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert verify["securityContext"]["runAsNonRoot"] is True
+    # Same pool labels as trial pods: the pool's deny-by-default NetworkPolicy selects it.
+    policy = next(o for o in render_pool(stored(pool), RenderContext(), []) if o["kind"] == "NetworkPolicy")
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    with_task = trial_pod(stored(pool), trial, RenderContext())
+    setup = next(c for c in with_task["spec"]["initContainers"] if c["name"] == "setup")
+    assert "--task-file=/legorl-task/task.json" in setup["command"]
+    agent_env = {e["name"]: e.get("value") for e in with_task["spec"]["containers"][0]["env"]}
+    assert agent_env["LEGORL_TASK_FILE"] == "/legorl-task/problem.md"
+    no_task = TrialContext(
+        run_name="r",
+        trial_id="t",
+        task_image="i:1",
+        harness=Harness(kind="ClaudeCode"),
+        fleet_url="http://f:8000",
+    )
+    with pytest.raises(RenderError, match="task ConfigMap"):
+        verify_pod(stored(pool), no_task, RenderContext(), changes_config_map="c")
 
 
 def test_sandbox_network_policies_allow_dns_and_the_runs_fleet_only() -> None:

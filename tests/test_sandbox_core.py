@@ -424,8 +424,20 @@ def test_junit_and_log_parsers_agree_on_a_real_pytest_run(tmp_path: Path) -> Non
     (tmp_path / "tests" / "test_sample.py").write_text(SAMPLE_TESTS)
     junit = tmp_path / "junit.xml"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-o", "junit_family=xunit1"]
-        + [f"--junitxml={junit}", "tests/test_sample.py", "-W", "ignore"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "junit_family=xunit1",
+            f"--junitxml={junit}",
+            "tests/test_sample.py",
+            "-W",
+            "ignore",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -218,8 +218,18 @@ def test_the_proxy_is_the_one_way_out(backend: LocalBackend, task_set: TaskSet, 
     with serve(engine) as engine_url:
         log = (tmp_path / "proxy.log").open("w")
         proxy = subprocess.Popen(
-            [sys.executable, "-m", "legorl.cli", "proxy", f"--unix-socket={sock}", f"--upstream={engine_url}"]
-            + ["--trial=t-relay", "--run=r", f"--journal={journal}", "--served-model-name=policy"],
+            [
+                sys.executable,
+                "-m",
+                "legorl.cli",
+                "proxy",
+                f"--unix-socket={sock}",
+                f"--upstream={engine_url}",
+                "--trial=t-relay",
+                "--run=r",
+                f"--journal={journal}",
+                "--served-model-name=policy",
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -234,10 +244,12 @@ def test_the_proxy_is_the_one_way_out(backend: LocalBackend, task_set: TaskSet, 
             script = (
                 "python - <<'EOF'\n"
                 "import json, urllib.request, socket\n"
-                "body = json.dumps({'model': 'policy', 'messages': [{'role': 'user', 'content': 'hi'}]}).encode()\n"
+                "msgs = [{'role': 'user', 'content': 'hi'}]\n"
+                "body = json.dumps({'model': 'policy', 'messages': msgs}).encode()\n"
                 "req = urllib.request.Request('http://127.0.0.1:4000/v1/chat/completions', body,\n"
                 "    {'content-type': 'application/json'})\n"
-                "print('ANSWER', json.load(urllib.request.urlopen(req))['choices'][0]['message']['content'])\n"
+                "answer = json.load(urllib.request.urlopen(req))\n"
+                "print('ANSWER', answer['choices'][0]['message']['content'])\n"
                 f"try:\n    socket.create_connection(('127.0.0.1', {port}), 2)\n    print('ENGINE-REACHED')\n"
                 "except OSError as e:\n    print('ENGINE-REFUSED', e.errno)\n"
                 "EOF\n"

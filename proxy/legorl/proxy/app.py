@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -50,6 +51,7 @@ from legorl.proxy.metrics import Metrics
 from legorl.proxy.settings import ProxySettings
 from legorl.proxy.trial import Trial
 from legorl.proxy.upstream import Upstream
+from legorl.sandbox import changes
 
 __all__ = ["ProxyApp"]
 
@@ -273,6 +275,7 @@ class ProxyApp:
                 "/metrics": self._metrics,
                 "/trajectory": self._trajectory,
                 "/turns": self._turns,
+                "/changes": self._changes,
             }.get(path)
             if handler is not None:
                 await handler(request, send)
@@ -570,6 +573,23 @@ class ProxyApp:
     async def _turns(self, request: _Request, send: Send) -> None:
         assert self.trial is not None
         await _send_json(send, 200, {"turns": [turn_to_record(t) for t in self.trial.turns]})
+
+    async def _changes(self, request: _Request, send: Send) -> None:
+        """The agent's changes against setup's baseline (read-only mounts; meant for after the
+        agent has exited). The change set is read without running anything in the workspace."""
+        settings = self.settings
+        if not (settings.workspace and settings.baseline):
+            raise ProxyError("not_found", "this proxy has no --workspace/--baseline, so no /changes")
+        workspace, baseline = Path(settings.workspace), Path(settings.baseline)
+
+        def capture() -> dict[str, Any]:
+            return changes.capture(workspace, changes.load_baseline(baseline)).to_dict()
+
+        try:
+            result = await asyncio.to_thread(capture)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ProxyError("proxy_error", f"could not read the workspace's changes: {exc}") from exc
+        await _send_json(send, 200, result)
 
     async def _finish(self, body: dict[str, Any], send: Send) -> None:
         assert self.trial is not None

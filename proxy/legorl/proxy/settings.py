@@ -39,6 +39,10 @@ class ProxySettings(BaseModel):
     """Address to listen on; loopback by default (the harness shares the pod or sandbox)."""
     port: Annotated[int, Field(ge=0, le=65535)] = 4000
     """Port to listen on (0: any free port)."""
+    workspace: str | None = None
+    """The agent's workspace, mounted read-only, for `GET /changes` (with `baseline`)."""
+    baseline: str | None = None
+    """Setup's record of the staged workspace (`legorl-sandbox setup --baseline`)."""
     unix_socket: Annotated[str, Field(min_length=1, max_length=107)] | None = None
     """Listen on this Unix socket instead of host:port (mode 0666: the local sandbox backend binds it
     into a trial's network namespace, where it is the only way out)."""

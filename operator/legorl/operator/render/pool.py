@@ -30,6 +30,7 @@ from legorl.operator.render.fleet import RenderError
 APP = "legorl-sandbox"
 PREPULL = "prepull"
 WARM = "warm-sandbox"
+VERIFY = "verify"
 TRIAL = "trial"
 AGENT_UID = 65532
 PROXY_UID = 65533
@@ -40,6 +41,15 @@ IMAGES_ANNOTATION = "legorl.dev/images"
 TOOLS_DIR = "/legorl"
 HARNESS_DIR = "/opt/legorl-harness"
 STAGED_WORKSPACE = "/staged-workspace"
+TASK_DIR = "/legorl-task"
+"""A trial's task ConfigMap (`task.json`: the manifest row; `problem.md`: what the agent reads)."""
+BASELINE_DIR = "/legorl-baseline"
+"""Setup records the staged files here; only setup (rw) and the proxy (ro) mount it, never the
+agent, so the agent's changes are measured against a record it cannot edit."""
+BASELINE = f"{BASELINE_DIR}/baseline.json"
+PROXY_WORKSPACE = "/workspace"
+"""Where the proxy sees the agent's workspace, read-only, to serve `GET /changes`."""
+CHANGES_DIR = "/legorl-changes"
 PULL_COMMAND = ["/bin/sh", "-c", "exit 0"]
 """What a pre-pull init container runs: nothing; the kubelet pulled the image to start it.
 Task images must carry /bin/sh (every SWE-bench-style image does)."""
@@ -161,6 +171,9 @@ class TrialContext:
     capture_routed_experts: bool = False
     """The fleet returns routed experts (MoE routing replay)."""
     store_uri: str = ""
+    task_config_map: str | None = None
+    """ConfigMap with the task's `task.json` and `problem.md` (the run controller creates it);
+    setup then knows the hidden tests to remove, and the agent reads `problem.md`."""
 
 
 def harness_image(harness: Harness, ctx: RenderContext) -> str:
@@ -195,6 +208,10 @@ def _proxy_sidecar(trial: TrialContext, ctx: RenderContext) -> dict[str, Any]:
             # The run's sampling and budgets, enforced where the harness cannot skip them.
             f"--max-tokens={trial.max_tokens_per_turn}",
             f"--max-turns={trial.harness.max_turns}",
+            # The agent's changes leave through the proxy's API (`GET /changes`), never by exec
+            # into the agent's container.
+            f"--workspace={PROXY_WORKSPACE}",
+            f"--baseline={BASELINE}",
             *([f"--temperature={trial.temperature}"] if trial.temperature is not None else []),
             *([f"--top-p={trial.top_p}"] if trial.top_p is not None else []),
             *(["--capture-routed-experts"] if trial.capture_routed_experts else []),
@@ -207,7 +224,11 @@ def _proxy_sidecar(trial: TrialContext, ctx: RenderContext) -> dict[str, Any]:
             "periodSeconds": 1,
             "failureThreshold": 30,
         },
-        "volumeMounts": [{"name": "journal", "mountPath": "/journal"}],
+        "volumeMounts": [
+            {"name": "journal", "mountPath": "/journal"},
+            {"name": "workspace", "mountPath": PROXY_WORKSPACE, "readOnly": True},
+            {"name": "baseline", "mountPath": BASELINE_DIR, "readOnly": True},
+        ],
     }
 
 
@@ -240,10 +261,14 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
         "setup",
         f"--workspace={workspace}",
         f"--into={STAGED_WORKSPACE}",
+        f"--baseline={BASELINE}",
         f"--git-history={spec.defenses.git_history}",
         f"--egress={spec.defenses.egress}",
         f"--proxy-uid={PROXY_UID}",
     ]
+    if trial.task_config_map:
+        setup_args.append(f"--task-file={TASK_DIR}/task.json")
+        base_env["LEGORL_TASK_FILE"] = f"{TASK_DIR}/problem.md"
     init_containers: list[dict[str, Any]] = [
         {
             "name": "tools",
@@ -267,7 +292,9 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
             "volumeMounts": [
                 {"name": "tools", "mountPath": TOOLS_DIR, "readOnly": True},
                 {"name": "workspace", "mountPath": STAGED_WORKSPACE},
+                {"name": "baseline", "mountPath": BASELINE_DIR},
                 {"name": "tmp", "mountPath": "/tmp"},
+                *_task_mount(trial),
             ],
         },
     ]
@@ -279,10 +306,14 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
             {
                 "name": "egress-lock",
                 "image": ctx.images.sandbox_init,
-                "args": ["egress-lock", f"--allow-uid={PROXY_UID}", "--self-test"],
+                "args": ["egress-lock", f"--allow-uid={PROXY_UID}", f"--deny-uid={AGENT_UID}", "--self-test"],
+                # Legacy iptables takes a lock file under /run, which is read-only here.
+                "env": [{"name": "XTABLES_LOCKFILE", "value": "/tmp/xtables.lock"}],
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
-                    "capabilities": {"drop": ["ALL"], "add": ["NET_ADMIN", "NET_RAW"]},
+                    # SETUID/SETGID: the self-test connects as the agent's uid to prove it is refused.
+                    "capabilities": {"drop": ["ALL"], "add": ["NET_ADMIN", "NET_RAW", "SETUID", "SETGID"]},
                     "readOnlyRootFilesystem": True,
                     "runAsNonRoot": False,
                     "runAsUser": 0,
@@ -304,6 +335,7 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
             {"name": "harness", "mountPath": HARNESS_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "home", "mountPath": "/home/agent"},
+            *_task_mount(trial),
         ],
     }
     if harness.config_map_ref is not None:
@@ -317,6 +349,8 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
         {"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}},
         {"name": "home", "emptyDir": {"sizeLimit": "1Gi"}},
         {"name": "journal", "emptyDir": {"sizeLimit": "1Gi"}},
+        {"name": "baseline", "emptyDir": {"sizeLimit": "256Mi"}},
+        *_task_volume(trial),
     ]
     if harness.config_map_ref is not None:
         volumes.append({"name": "harness-config", "configMap": {"name": harness.config_map_ref.name}})
@@ -335,6 +369,92 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
         pod_spec["runtimeClassName"] = spec.runtime_class_name
     pod_spec.update(pod_placement(spec.placement, spec.identity, sandbox_account(pool.metadata.name)))
     meta = metadata(pool, name, TRIAL, APP)
+    meta["labels"] = pod_labels
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def _task_mount(trial: TrialContext) -> list[dict[str, Any]]:
+    return [{"name": "task", "mountPath": TASK_DIR, "readOnly": True}] if trial.task_config_map else []
+
+
+def _task_volume(trial: TrialContext) -> list[dict[str, Any]]:
+    return [{"name": "task", "configMap": {"name": trial.task_config_map}}] if trial.task_config_map else []
+
+
+def verify_pod(
+    pool: SandboxPool, trial: TrialContext, ctx: RenderContext, *, changes_config_map: str
+) -> dict[str, Any]:
+    """Stage 3 of a trial: a fresh pod from the pristine task image, where the agent never was.
+
+    It applies the agent's sanitized changes (the run controller puts the proxy's `GET /changes`
+    into `changes_config_map`), restores the hidden tests and runs them; the reward is in the
+    container's termination message (and its log). No proxy, no egress: the pool's NetworkPolicy
+    admits nothing but DNS."""
+    if not trial.task_config_map:
+        raise RenderError("task", "a verify pod needs the trial's task ConfigMap (task.json)")
+    spec = pool.spec
+    workspace = spec.workspace.path
+    pod_labels = {
+        **labels(pool, VERIFY, APP),
+        "legorl.dev/run": label_value(trial.run_name),
+        "legorl.dev/trial": label_value(trial.trial_id),
+    }
+    verify_args = [
+        f"{TOOLS_DIR}/bin/legorl-sandbox",
+        "verify",
+        f"--task-file={TASK_DIR}/task.json",
+        f"--changes={CHANGES_DIR}/changes.json",
+        f"--workspace={workspace}",
+        "--into=/verify/repo",
+        "--out=/verify/out",
+    ]
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "activeDeadlineSeconds": spec.deadlines.verify_seconds,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {**RESTRICTED_POD_SECURITY, "fsGroup": AGENT_UID},
+        "terminationGracePeriodSeconds": 10,
+        "initContainers": [
+            {
+                "name": "tools",
+                "image": ctx.images.sandbox_init,
+                "args": ["install", f"--into={TOOLS_DIR}"],
+                "securityContext": restricted_container(user=AGENT_UID),
+                "volumeMounts": [{"name": "tools", "mountPath": TOOLS_DIR}],
+            }
+        ],
+        "containers": [
+            {
+                "name": "verify",
+                "image": trial.task_image,
+                "command": verify_args,
+                "workingDir": "/verify",
+                "env": [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
+                "resources": resources(spec.resources),
+                "securityContext": restricted_container(user=AGENT_UID),
+                "terminationMessagePolicy": "File",
+                "volumeMounts": [
+                    {"name": "tools", "mountPath": TOOLS_DIR, "readOnly": True},
+                    {"name": "task", "mountPath": TASK_DIR, "readOnly": True},
+                    {"name": "changes", "mountPath": CHANGES_DIR, "readOnly": True},
+                    {"name": "verify", "mountPath": "/verify"},
+                    {"name": "tmp", "mountPath": "/tmp"},
+                ],
+            }
+        ],
+        "volumes": [
+            {"name": "tools", "emptyDir": {}},
+            {"name": "verify", "emptyDir": {"sizeLimit": str(spec.workspace.size_limit)}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}},
+            *_task_volume(trial),
+            {"name": "changes", "configMap": {"name": changes_config_map}},
+        ],
+    }
+    if spec.runtime_class_name:
+        pod_spec["runtimeClassName"] = spec.runtime_class_name
+    pod_spec.update(pod_placement(spec.placement, spec.identity, sandbox_account(pool.metadata.name)))
+    meta = metadata(pool, f"{trial.run_name}-{trial.trial_id}-verify", VERIFY, APP)
     meta["labels"] = pod_labels
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
