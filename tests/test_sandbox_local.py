@@ -123,7 +123,8 @@ def test_the_agent_is_an_unprivileged_uid_of_its_own(backend: LocalBackend, task
     script = (
         "id -u; grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status; "
         "touch /usr/x 2>&1; touch /etc/x 2>&1; ls /proc | grep -c '^[0-9]'; hostname; "
-        "touch ok && echo workspace-writable"
+        "touch ok && echo workspace-writable; "
+        "python -c 'import sys, pytest; print(\"task-python\", sys.prefix); import hypothesis' 2>&1 | tail -2"
     )
     out = trial(backend, task_set, script)
     lines = out.agent_output
@@ -136,6 +137,9 @@ def test_the_agent_is_an_unprivileged_uid_of_its_own(backend: LocalBackend, task
     assert "'/etc/x': Read-only file system" in lines
     assert "sandbox" in lines
     assert "workspace-writable" in lines
+    # The task's Python stands in for the task image's: pytest, and nothing else of the host.
+    assert f"task-python {backend.task_env}" in lines
+    assert "No module named 'hypothesis'" in lines
 
 
 def test_limits_hold(backend: LocalBackend, task_set: TaskSet) -> None:

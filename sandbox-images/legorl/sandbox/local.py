@@ -35,6 +35,7 @@ from typing import Literal
 
 import legorl.sandbox
 from legorl.sandbox.checks import Check
+from legorl.sandbox.taskenv import ensure_task_env
 
 SANDBOX_PACKAGE = Path(legorl.sandbox.__file__).resolve().parent
 INNER_LIB = "/opt/legorl/lib"
@@ -119,7 +120,7 @@ def _mount_points(binds: Sequence[tuple[str, str, bool]]) -> list[str]:
     for _, inside, _ in binds:
         parents = list(Path(inside).parents)[:-1]  # without "/"
         for parent in reversed(parents):
-            if str(parent) not in ("/usr", "/etc"):
+            if str(parent) not in ("/usr", "/etc", "/tmp", HOME):  # noqa: S108 - mounted by bwrap
                 made[str(parent)] = None
     args: list[str] = []
     for path in made:
@@ -239,6 +240,7 @@ class LocalBackend:
         limits: Limits | None = None,
         defenses: Defenses | None = None,
         uid_base: int = 200_000,
+        task_env: Path | None = None,
     ) -> None:
         self.root = root
         self.limits = limits or Limits()
@@ -250,6 +252,8 @@ class LocalBackend:
         if self.defenses.isolate and shutil.which("bwrap") is None:
             raise SandboxError("bubblewrap (bwrap) is not installed: apt-get install -y bubblewrap")
         root.mkdir(parents=True, exist_ok=True)
+        self.task_env = task_env or ensure_task_env(root / "task-env")
+        """Python for the task's code (first on PATH in agent and verify sandboxes)."""
 
     # -- identities -------------------------------------------------------------------------
 
@@ -398,6 +402,7 @@ class LocalBackend:
         all_binds = [
             *((str(r), str(r), False) for r in _python_roots()),
             (str(SANDBOX_PACKAGE), f"{INNER_LIB}/legorl/sandbox", False),
+            (str(self.task_env), str(self.task_env), False),
             *binds,
         ]
         if self.is_root:
@@ -413,10 +418,13 @@ class LocalBackend:
                 args.append("--share-net")
         args += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
         args += _system_binds()
-        args += _mount_points([*all_binds, ("", HOME + "/x", False), ("", "/tmp/x", False)])  # noqa: S108
         args += ["--proc", "/proc", "--dev", "/dev"]
+        # The tmpfs mounts come before the folders for the binds: a bind below /tmp (a test's
+        # temp folder, say) must land on the sandbox's /tmp, not on a folder the tmpfs hides.
         args += ["--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]  # noqa: S108 - private
+        args += _mount_points([("", HOME + "/x", False)])
         args += ["--size", str(limits.tmp_bytes), "--perms", "0777", "--tmpfs", HOME]
+        args += _mount_points(all_binds)
         for host, inside, writable in all_binds:
             args += ["--bind" if writable else "--ro-bind", host, inside]
         args += ["--chdir", cwd]

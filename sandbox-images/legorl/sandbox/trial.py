@@ -109,11 +109,16 @@ def runner_findings(changes: ch.ChangeSet) -> ch.ChangeSet:
     return kept
 
 
-def agent_env(task: Task, extra: Mapping[str, str] | None = None, port: int = 4000) -> dict[str, str]:
-    """The harness's environment: what a trial pod gives its agent container, nothing of the host."""
+def agent_env(
+    backend: LocalBackend, task: Task, extra: Mapping[str, str] | None = None, port: int = 4000
+) -> dict[str, str]:
+    """The harness's environment: what a trial pod gives its agent container, nothing of the host.
+
+    The task's Python comes first on PATH (what a task image provides); legorl's own environment
+    after it, for harnesses installed there (mini-swe-agent)."""
     venv_bin = str(Path(sys.executable).parent)
     env = {
-        "PATH": f"{venv_bin}:/usr/local/bin:/usr/bin:/bin",
+        "PATH": f"{backend.task_env}/bin:{venv_bin}:/usr/local/bin:/usr/bin:/bin",
         "HOME": HOME,
         "TMPDIR": "/tmp",  # noqa: S108 - a private tmpfs inside the sandbox
         "LANG": "C.UTF-8",
@@ -200,7 +205,7 @@ class _Trial:
                 uid=uid,
                 binds=binds,
                 cwd=task.workspace_dir,
-                env=agent_env(task, env),
+                env=agent_env(backend, task, env),
                 timeout=seconds,
                 network=not egress_locked,
                 report=True,
@@ -246,7 +251,9 @@ class _Trial:
         with backend.identity() as uid:
             if backend.is_root:
                 workspace.make_agent_owned(verify_dir, uid, uid)
-            env = {k: v for k, v in agent_env(task).items() if not k.startswith(("OPENAI", "ANTHROPIC"))}
+            env = {
+                k: v for k, v in agent_env(backend, task).items() if not k.startswith(("OPENAI", "ANTHROPIC"))
+            }
             run = backend.run(
                 stages.test_argv(task, f"{OUT_DIR}/junit.xml"),
                 uid=uid,
