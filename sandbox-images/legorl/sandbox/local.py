@@ -158,24 +158,25 @@ class Cgroup:
 
     @staticmethod
     def _create(controller: str, name: str) -> Path | None:
+        """A child of this process's own cgroup for `controller` (v1), or of its v2 cgroup."""
         try:
             own = Path("/proc/self/cgroup").read_text().splitlines()
         except OSError:
             return None
+        unified = Path("/sys/fs/cgroup/cgroup.controllers").exists()
         for line in own:
             _, controllers, rel = line.split(":", 2)
-            if controller in controllers.split(",") or (
-                controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists()
-            ):
-                base = Path("/sys/fs/cgroup") / (controller if controllers else "") / rel.lstrip("/")
-                if controllers == "":
-                    base = Path("/sys/fs/cgroup") / rel.lstrip("/")
-                path = base / name
-                try:
-                    path.mkdir(exist_ok=True)
-                except OSError:
-                    continue
-                return path
+            if controller in controllers.split(","):
+                base = Path("/sys/fs/cgroup") / controller / rel.lstrip("/")
+            elif controllers == "" and unified:
+                base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+            else:
+                continue
+            try:
+                (base / name).mkdir(exist_ok=True)
+            except OSError:
+                continue
+            return base / name
         return None
 
     def procs_files(self) -> list[str]:
@@ -199,17 +200,20 @@ class Cgroup:
 
 
 def processes_of(uid: int) -> list[int]:
-    """Pids whose real uid is `uid` (every process a sandbox started)."""
+    """Live pids whose real uid is `uid` (every process a sandbox started). Zombies are left out:
+    they hold nothing but a pid until whoever inherited them reaps them."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(OSError):
-            if entry.stat().st_uid == uid:
-                for line in (entry / "status").read_text().splitlines():
-                    if line.startswith("Uid:") and int(line.split()[1]) == uid:
-                        found.append(int(entry.name))
-                        break
+            if entry.stat().st_uid != uid:
+                continue
+            status = dict(
+                line.split(":", 1) for line in (entry / "status").read_text().splitlines() if ":" in line
+            )
+            if int(status["Uid"].split()[0]) == uid and not status["State"].strip().startswith("Z"):
+                found.append(int(entry.name))
     return found
 
 

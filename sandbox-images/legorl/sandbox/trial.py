@@ -271,7 +271,8 @@ class _Trial:
         try:
             out.grade = stages.grade_run(task, results / "junit.xml", run.output)
         except GradeError as exc:
-            return self.fail("verifier_error", str(exc))
+            tail = run.output[-1500:].strip() or "(no output)"
+            return self.fail("verifier_error", f"{exc}; the test command exited {run.returncode}: {tail}")
         out.reward = out.grade.reward
         return out
 
