@@ -93,7 +93,10 @@ def test_swebench_rows_load_unchanged() -> None:
         "instance_id": "astropy__astropy-12907",
         "base_commit": "d16bfe05a744909de4b27f5875fe0d4ed41ce607",
         "patch": "diff --git a/x.py b/x.py\n",
-        "test_patch": "diff --git a/astropy/tests/test_x.py b/astropy/tests/test_x.py\n--- a/x\n+++ b/x\n",
+        "test_patch": (
+            "diff --git a/astropy/tests/test_x.py b/astropy/tests/test_x.py\n"
+            "--- a/astropy/tests/test_x.py\n+++ b/astropy/tests/test_x.py\n@@ -1 +1,2 @@\n x\n+y\n"
+        ),
         "problem_statement": "separability_matrix is wrong for nested models",
         "hints_text": "",
         "created_at": "2022-03-03T15:14:54Z",
@@ -106,7 +109,10 @@ def test_swebench_rows_load_unchanged() -> None:
     task = Task.from_dict(row)
     assert task.fail_to_pass == ("astropy/tests/test_x.py::test_nested",)
     assert task.pass_to_pass == ()
-    assert task.hidden_test_files == ("astropy/tests/test_x.py",)
+    # The patch changes an existing test file: it stays visible at its base version (SWE-bench's
+    # way); only files the patch creates are hidden. Agent edits to either are discarded.
+    assert task.hidden_test_files == ()
+    assert task.test_patch_paths == ("astropy/tests/test_x.py",)
     assert task.extra["environment_setup_commit"] == row["environment_setup_commit"]
     assert task.test_command == DEFAULT_TEST_COMMAND
     again = Task.from_dict(task.to_dict())
@@ -128,6 +134,7 @@ def test_swebench_rows_load_unchanged() -> None:
         ({"workspace_dir": "testbed"}, "workspace_dir must be an absolute path"),
         ({"test_timeout_seconds": 0}, "test_timeout_seconds must be an integer"),
         ({"problem_statement": 5}, "problem_statement must be a string"),
+        ({"FAIL_TO_PASS": ["../../etc/passwd::x"]}, "names the file '../../etc/passwd'"),
     ],
 )
 def test_invalid_task_rows_say_what_to_fix(change: dict[str, Any], message: str) -> None:
@@ -170,12 +177,44 @@ def test_manifest_errors_name_the_line(tmp_path: Path) -> None:
     assert isinstance(loaded, TaskSet)
 
 
-def test_test_patch_files_and_test_files() -> None:
+def test_patch_paths_with_spaces_quotes_deletions_and_binaries() -> None:
+    patch = (
+        'diff --git a/tests/new test.py b/tests/new test.py\nnew file mode 100644\n--- /dev/null\n'
+        '+++ b/tests/new test.py\n@@ -0,0 +1 @@\n+z\n'
+        'diff --git "a/tests/t\\303\\251st.py" "b/tests/t\\303\\251st.py"\nnew file mode 100644\n'
+        '--- /dev/null\n+++ "b/tests/t\\303\\251st.py"\n@@ -0,0 +1 @@\n+z\n'
+        "diff --git a/tests/gone.py b/tests/gone.py\ndeleted file mode 100644\n--- a/tests/gone.py\n"
+        "+++ /dev/null\n@@ -1 +0,0 @@\n-z\n"
+        "diff --git a/tests/data.bin b/tests/data.bin\nnew file mode 100644\n"
+        "Binary files /dev/null and b/tests/data.bin differ\n"
+    )
+    assert task_mod.patch_files(patch) == (
+        task_mod.PatchFile("tests/new test.py", created=True),
+        task_mod.PatchFile("tests/tést.py", created=True),
+        task_mod.PatchFile("tests/gone.py", created=False),
+        task_mod.PatchFile("tests/data.bin", created=True),
+    )
+
+
+def test_other_runners_ids_name_no_file() -> None:
+    task = make_task(
+        "d" * 40,
+        "diff --git a/tests/test_a.py b/tests/test_a.py\nnew file mode 100644\n",
+        FAIL_TO_PASS=["test_add (calc.tests.AddTests)"],
+    )
+    assert task.test_files == ("tests/test_a.py", "tests/test_calc.py")
+
+
+def test_patch_files_and_test_files() -> None:
     patch = (
         "diff --git a/tests/test_a.py b/tests/test_a.py\n--- a/tests/test_a.py\n+++ b/tests/test_a.py\n"
         "diff --git a/tests/test_b.py b/tests/test_b.py\nnew file mode 100644\n"
     )
-    assert task_mod.test_patch_files(patch) == ("tests/test_a.py", "tests/test_b.py")
+    assert make_task("c" * 40, patch).hidden_test_files == ("tests/test_b.py",)
+    assert task_mod.patch_files(patch) == (
+        task_mod.PatchFile("tests/test_a.py", created=False),
+        task_mod.PatchFile("tests/test_b.py", created=True),
+    )
     task = make_task("c" * 40, patch)
     assert task.test_files == ("tests/test_a.py", "tests/test_b.py", "tests/test_calc.py", HIDDEN)
 

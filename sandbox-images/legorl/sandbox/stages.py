@@ -48,7 +48,7 @@ class VerifyTree:
 def prepare_verify(pristine: Path, into: Path, task: Task, changes: ch.ChangeSet) -> VerifyTree:
     """Stage 3, files: copy the pristine tree, apply the sanitized changes, restore hidden tests."""
     workspace.copy_tree(pristine, into)
-    clean = ch.sanitize(changes, hidden_tests=task.hidden_test_files, existing_tops=top_level_names(pristine))
+    clean = ch.sanitize(changes, hidden_tests=task.test_patch_paths, existing_tops=top_level_names(pristine))
     ch.apply(clean, into)
     patch = subprocess.run(
         ["git", "apply", "--whitespace=nowarn", "-"],

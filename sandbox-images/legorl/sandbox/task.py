@@ -83,17 +83,22 @@ class Task:
 
     @property
     def hidden_test_files(self) -> tuple[str, ...]:
-        """Files the test patch creates or changes: removed before the agent starts, restored to
-        verify."""
-        return test_patch_files(self.test_patch)
+        """Files the test patch creates: absent while the agent works, restored to verify. A test
+        file the patch only changes stays visible at its base version, as in SWE-bench."""
+        return tuple(f.path for f in patch_files(self.test_patch) if f.created)
+
+    @property
+    def test_patch_paths(self) -> tuple[str, ...]:
+        """Every file the test patch touches; the agent's changes to any of them are discarded."""
+        return tuple(f.path for f in patch_files(self.test_patch))
 
     @property
     def test_files(self) -> tuple[str, ...]:
-        """Test files the verifier runs: those named by FAIL_TO_PASS / PASS_TO_PASS and the hidden
-        ones, sorted."""
-        files = {t.split("::", 1)[0] for t in (*self.fail_to_pass, *self.pass_to_pass)}
-        files.update(self.hidden_test_files)
-        return tuple(sorted(files))
+        """Test files the verifier runs (`{tests}`): the files of pytest-style FAIL_TO_PASS /
+        PASS_TO_PASS ids and those the test patch touches, sorted."""
+        files = {_test_file(t) for t in (*self.fail_to_pass, *self.pass_to_pass)} - {None}
+        files.update(self.test_patch_paths)
+        return tuple(sorted(f for f in files if f))
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest row (SWE-bench field names; lists stay lists)."""
@@ -136,17 +141,21 @@ class Task:
         if not COMMIT.match(commit):
             raise TaskError(f"{where}: base_commit must be a full 40-character hex commit id, got {commit!r}")
         test_patch = _text(row, "test_patch", where, required=True)
-        hidden = test_patch_files(test_patch)
-        if not hidden:
+        touched = patch_files(test_patch)
+        if not touched:
             raise TaskError(f"{where}: test_patch adds no files (expected `diff --git a/... b/...` headers)")
-        for path in hidden:
-            check_relative_path(path, f"{where}: test_patch file")
+        for item in touched:
+            check_relative_path(item.path, f"{where}: test_patch file")
         f2p = _test_list(row, "FAIL_TO_PASS", where)
         if not f2p:
             raise TaskError(
                 f"{where}: FAIL_TO_PASS is empty; a task needs at least one test the fix makes pass"
             )
         p2p = _test_list(row, "PASS_TO_PASS", where)
+        for test_id in (*f2p, *p2p):
+            file = _test_file(test_id)
+            if file is not None:
+                check_relative_path(file, f"{where}: test id {test_id!r} names the file")
         image = _text(row, "image", where) or None
         source = _text(row, "source", where) or None
         workspace_dir = _text(row, "workspace_dir", where) or "/testbed"
@@ -209,12 +218,56 @@ def _test_list(row: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def test_patch_files(patch: str) -> tuple[str, ...]:
-    """Paths a unified git diff touches (its `b/` side), in order, without duplicates."""
-    seen: dict[str, None] = {}
-    for match in DIFF_FILE.finditer(patch):
-        seen[match.group(2)] = None
-    return tuple(seen)
+@dataclass(frozen=True)
+class PatchFile:
+    """One file a git diff touches: its path after the patch, and whether the patch creates it."""
+
+    path: str
+    created: bool
+
+
+def _unquote(path: str) -> str:
+    """git writes unusual names C-quoted (`"tests/t\303\251st.py"`): undo it."""
+    if not (path.startswith('"') and path.endswith('"')):
+        return path
+    raw = path[1:-1].encode("latin-1", "backslashreplace").decode("unicode_escape").encode("latin-1")
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def patch_files(patch: str) -> tuple[PatchFile, ...]:
+    """Files a unified git diff touches, in order. Paths come from the `--- a/` / `+++ b/` lines
+    (unambiguous with spaces, unquoted when git quoted them); a binary or mode-only change falls
+    back to its `diff --git` header."""
+    files: dict[str, bool] = {}
+    header: str | None = None
+    old: str | None = None
+    created = False
+    for line in patch.splitlines():
+        if line.startswith("diff --git "):
+            match = DIFF_FILE.match(line)
+            if header is not None and header not in files:
+                files[header] = created
+            header, old, created = (match.group(2) if match else None), None, False
+        elif line.startswith("new file mode") and header is not None:
+            created = True
+        elif line.startswith("--- "):
+            old = line[4:].split("\t", 1)[0]
+        elif line.startswith("+++ ") and old is not None:
+            new = _unquote(line[4:].split("\t", 1)[0])
+            path = _unquote(old) if new == "/dev/null" else new
+            path = path[2:] if path.startswith(("a/", "b/")) else path
+            files[path] = created or old == "/dev/null"
+            header, old = None, None
+    if header is not None and header not in files:
+        files[header] = created
+    return tuple(PatchFile(path, made) for path, made in files.items())
+
+
+def _test_file(test_id: str) -> str | None:
+    """The file of a pytest node id (`tests/test_x.py::test_y` → `tests/test_x.py`); None for other
+    runners' ids (Django's `test_x (module.Class)`), whose files the test command must name."""
+    file, sep, _ = test_id.partition("::")
+    return file if sep and file else None
 
 
 def check_relative_path(path: str, what: str) -> None:
@@ -286,7 +339,7 @@ def load_jsonl(path: Path) -> TaskSet:
                 except json.JSONDecodeError as exc:
                     raise TaskError(f"{path.name}:{lineno}: not valid JSON: {exc.msg}") from None
 
-    return TaskSet.from_rows(rows(), root=path.parent)
+    return TaskSet.from_rows(rows(), root=path.resolve().parent)
 
 
 def load_parquet(path: Path) -> TaskSet:
