@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -43,6 +44,7 @@ TASK_DIR = "/legorl-task"
 OUT_DIR = "/legorl-out"
 PROXY_SOCKET = "/run/legorl/proxy.sock"
 HOME = "/home/agent"
+CGROUP_JOIN_FAILED = "legorl-sandbox: could not join the sandbox's cgroup"
 
 
 class SandboxError(RuntimeError):
@@ -323,7 +325,8 @@ class LocalBackend:
         a pipe the agent never sees."""
         limits = self.limits
         started = time.monotonic()
-        cgroup = Cgroup(f"legorl-{name}-{uid}", limits) if self.is_root and self.defenses.isolate else None
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80]
+        cgroup = Cgroup(f"legorl-{safe}-{uid}", limits) if self.is_root and self.defenses.isolate else None
         read_fd = write_fd = -1
         command = list(argv)
         if report:
@@ -340,8 +343,10 @@ class LocalBackend:
         # The chain: join the cgroups (as root), rlimits, bwrap, (inside) drop to the trial uid.
         prefix: list[str] = []
         if cgroup and cgroup.paths:
-            joins = " && ".join(f"echo $$ > {f}" for f in cgroup.procs_files())
-            prefix = ["/bin/sh", "-c", f'{joins} && exec "$@"', "legorl-sandbox"]
+            # Quoted: a trial id is part of the cgroup's name, and this shell runs as root.
+            joins = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in cgroup.procs_files())
+            fail = f'echo "{CGROUP_JOIN_FAILED}" >&2; exit 125'
+            prefix = ["/bin/sh", "-c", f'{{ {joins}; }} || {{ {fail}; }}; exec "$@"', "legorl-sandbox"]
         rlimits = [
             "prlimit",
             f"--nproc={limits.pids}",
@@ -353,16 +358,24 @@ class LocalBackend:
         if not self.defenses.isolate:
             rlimits = []
             full, cwd, env = _translate(command, cwd, env, binds)
-        proc = subprocess.Popen(
-            [*prefix, *rlimits, *full] if self.defenses.isolate else full,
-            env=dict(env),
-            cwd=None if self.defenses.isolate else cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            pass_fds=(write_fd,) if report else (),
-        )
+        try:
+            proc = subprocess.Popen(
+                [*prefix, *rlimits, *full] if self.defenses.isolate else full,
+                env=dict(env),
+                cwd=None if self.defenses.isolate else cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                pass_fds=(write_fd,) if report else (),
+            )
+        except OSError as exc:
+            for fd in (read_fd, write_fd):
+                if fd >= 0:
+                    os.close(fd)
+            if cgroup:
+                cgroup.remove()
+            raise SandboxError(f"could not start the sandbox: {exc}") from exc
         if report:
             os.close(write_fd)
         output = _Collector(proc.stdout)
@@ -380,11 +393,14 @@ class LocalBackend:
             proc.wait()
             if cgroup:
                 cgroup.remove()
+        text = output.text()
+        if proc.returncode == 125 and CGROUP_JOIN_FAILED in text:
+            raise SandboxError(f"{CGROUP_JOIN_FAILED}: {text.strip()[-500:]}")
         return Run(
             returncode=proc.returncode,
             timed_out=timed_out,
             seconds=time.monotonic() - started,
-            output=output.text(),
+            output=text,
             report=reader.text() if reader else "",
             report_seconds=(reader.first_at - started) if reader and reader.first_at else 0.0,
             limits_applied=[*(cgroup.applied if cgroup else []), *(rlimits[1:-1])],
