@@ -119,6 +119,13 @@ def test_a_fix_earns_reward_and_a_non_fix_does_not(backend: LocalBackend, task_s
     assert saved["terminationReason"] == "agent_error"
 
 
+def test_trial_ids_cannot_name_folders_outside_the_root(backend: LocalBackend, task_set: TaskSet) -> None:
+    for bad in ("../escape", "a/b", "", ".hidden", "x" * 200):
+        with pytest.raises(ValueError, match="trial id"):
+            run_local_trial(backend, task_set, task_set.tasks[0], bad, ["true"])
+    assert not (backend.root.parent / "escape").exists()
+
+
 def test_the_agent_is_an_unprivileged_uid_of_its_own(backend: LocalBackend, task_set: TaskSet) -> None:
     script = (
         "id -u; grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status; "

@@ -33,6 +33,8 @@ from legorl.sandbox.local import (
 )
 from legorl.sandbox.task import Task, TaskSet
 
+TRIAL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
 # Changed source that reaches into the test runner cannot be a fix; it is dropped and reported.
 RUNNER_REFERENCE = re.compile(
     r"\b(_pytest|pluggy|pytest_runtest\w*|pytest_configure|junitxml|LEGORL_\w+)\b|legorl-out|"
@@ -304,6 +306,10 @@ def run_local_trial(
 
     `probes` (HOST:PORT) are extra addresses the sandbox's egress self-test must find unreachable
     (the engine's address, say). The outcome is also written to `<root>/outcomes/<trial>.json`."""
+    if not TRIAL_ID.match(trial_id):
+        raise ValueError(
+            f"trial id {trial_id!r}: use 1-128 letters, digits, '.', '_' or '-' (it names folders)"
+        )
     out = TrialOutcome(
         trial=trial_id, task_id=task.instance_id, termination_reason="sandbox_error", reward=None
     )
