@@ -6,7 +6,6 @@
     legorl-sandbox capture --workspace=/testbed --baseline=FILE --out=changes.json
     legorl-sandbox verify  --task-file=FILE --changes=changes.json --workspace=/testbed --into=DIR --out=DIR
     legorl-sandbox egress-lock --allow-uid=65533 --self-test
-    legorl-sandbox tasks   OUT_DIR      (write the bundled tiny-python task set)
 
 Each prints its checks or result as JSON on stdout, writes a one-line summary to the Kubernetes
 termination log when it exists, and exits 0 (done), 3 (a defense self-test failed: the trial
@@ -109,13 +108,6 @@ def cmd_egress(args: argparse.Namespace, rest: Sequence[str]) -> int:
     return egress.main(list(rest))
 
 
-def cmd_tasks(args: argparse.Namespace) -> int:
-    from legorl.sandbox import bundled  # noqa: PLC0415
-
-    print(bundled.generate(Path(args.out)))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="legorl-sandbox", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,9 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("egress-lock", help="install and self-test the iptables egress lock", add_help=False)
     p.set_defaults(func=None)
-    p = sub.add_parser("tasks", help="write the bundled tiny-python task set")
-    p.add_argument("out")
-    p.set_defaults(func=cmd_tasks)
     return parser
 
 

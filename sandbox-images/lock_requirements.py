@@ -1,0 +1,73 @@
+"""Write the pinned requirements of an image's Python environment (every package, `name==version`).
+
+Run it on Linux from the repository root with the Python the image runs: 3.12 for the harness
+runtimes (PBS_PYTHON_VERSION in their Dockerfiles), 3.11 for the proxy image:
+
+    python3.12 sandbox-images/lock_requirements.py mini-swe-agent==2.4.6 \\
+        > sandbox-images/harness/mini-swe-agent/requirements.txt
+    python3.12 sandbox-images/lock_requirements.py openhands-sdk==1.58.2 openhands-tools==1.58.2 \\
+        > sandbox-images/harness/openhands/requirements.txt
+    python3.11 sandbox-images/lock_requirements.py '.[proxy]' > sandbox-images/proxy/requirements.txt
+
+It asks pip's resolver (`pip install --dry-run --report`; nothing is installed) which
+distributions the requirements need and prints them sorted, with a header naming the inputs. A
+local project (`.[proxy]`) is resolved but left out: the image installs it from its own wheel.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def resolve(requirements: Sequence[str]) -> list[tuple[str, str]]:
+    """(name, version) of every distribution pip would install for `requirements`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--report",
+                str(report),
+                *requirements,
+            ],
+            check=True,
+        )
+        data = json.loads(report.read_text(encoding="utf-8"))
+    return sorted(
+        (item["metadata"]["name"].lower(), item["metadata"]["version"])
+        for item in data["install"]
+        if "dir_info" not in item.get("download_info", {})  # a local project, not a pinned download
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    requirements = list(sys.argv[1:] if argv is None else argv)
+    if not requirements or not all("==" in r or r.startswith((".", "/")) for r in requirements):
+        sys.stderr.write("usage: lock_requirements.py NAME==VERSION|LOCAL_PROJECT[EXTRAS]...\n")
+        return 2
+    python = ".".join(platform.python_version_tuple()[:2])
+    lines = [
+        f"# Pinned runtime of: {' '.join(requirements)}",
+        f"# Resolved for Python {python} on {platform.system()} {platform.machine()} by",
+        "# sandbox-images/lock_requirements.py (regenerate with it; do not edit by hand).",
+        *(f"{name}=={version}" for name, version in resolve(requirements)),
+    ]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
