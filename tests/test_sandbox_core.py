@@ -179,8 +179,8 @@ def test_manifest_errors_name_the_line(tmp_path: Path) -> None:
 
 def test_patch_paths_with_spaces_quotes_deletions_and_binaries() -> None:
     patch = (
-        'diff --git a/tests/new test.py b/tests/new test.py\nnew file mode 100644\n--- /dev/null\n'
-        '+++ b/tests/new test.py\n@@ -0,0 +1 @@\n+z\n'
+        "diff --git a/tests/new test.py b/tests/new test.py\nnew file mode 100644\n--- /dev/null\n"
+        "+++ b/tests/new test.py\n@@ -0,0 +1 @@\n+z\n"
         'diff --git "a/tests/t\\303\\251st.py" "b/tests/t\\303\\251st.py"\nnew file mode 100644\n'
         '--- /dev/null\n+++ "b/tests/t\\303\\251st.py"\n@@ -0,0 +1 @@\n+z\n'
         "diff --git a/tests/gone.py b/tests/gone.py\ndeleted file mode 100644\n--- a/tests/gone.py\n"
