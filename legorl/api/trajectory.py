@@ -277,6 +277,7 @@ class TamperFinding:
         "binary_patch",
         "outside_repo",
         "egress_attempt",
+        "results_tampered",
     ]
     detail: str
     path: str | None = None

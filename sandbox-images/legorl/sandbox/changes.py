@@ -15,6 +15,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -30,12 +31,16 @@ FindingKind = Literal[
     "binary_patch",
     "outside_repo",
     "egress_attempt",
+    "results_tampered",
 ]
 """Same closed set as `legorl.api.trajectory.TamperFinding.kind` (a test keeps them equal)."""
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
 MAX_TOTAL_BYTES = 32 * 1024 * 1024
 MAX_FILES = 5000
+MAX_ENTRIES = 500_000
+MAX_DEPTH = 64
+MAX_PATH = 1024
 EXCLUDED_DIRS = frozenset({".git"})
 
 
@@ -60,41 +65,79 @@ class Entry:
     sha256: str
 
 
-def _hash(path: Path) -> tuple[int, str]:
-    digest = hashlib.sha256()
-    size = 0
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
+@dataclass(frozen=True)
+class _Item:
+    """One entry of a walk: its relative path, its lstat, and how to open it without following
+    anything (the folder's fd and the entry's name)."""
+
+    rel: str
+    st: os.stat_result
+    dir_fd: int
+    name: str
+
+    def read(self, limit: int = -1) -> bytes:
+        fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read(limit)
+
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
+        with os.fdopen(fd, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+        return digest.hexdigest()
 
 
-def _walk(root: Path) -> Iterator[tuple[str, os.stat_result]]:
-    """Every entry below root except `.git`, as (relative posix path, lstat), never following links."""
-    stack = [root]
-    while stack:
-        current = stack.pop()
-        with os.scandir(current) as it:
-            for item in sorted(it, key=lambda e: e.name):
-                st = item.stat(follow_symlinks=False)
-                rel = Path(item.path).relative_to(root).as_posix()
-                if stat.S_ISDIR(st.st_mode):
-                    if item.name not in EXCLUDED_DIRS:
-                        stack.append(Path(item.path))
-                    continue
-                yield rel, st
+def _walk(root: Path, problems: list[Finding] | None = None) -> Iterator[_Item]:
+    """Every entry below root except `.git`, never following links.
+
+    Folders are opened relative to their parent's fd (`O_NOFOLLOW`), so a tree deeper than
+    PATH_MAX is walked, not crashed on; past MAX_DEPTH or MAX_PATH a folder is reported in
+    `problems` and not entered, and the walk stops after MAX_ENTRIES entries."""
+    seen = 0
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    stack: list[tuple[int, str, int]] = [(os.open(root, flags), "", 0)]
+    try:
+        while stack:
+            fd, prefix, depth = stack.pop()
+            try:
+                with os.scandir(fd) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+                for entry in entries:
+                    seen += 1
+                    rel = f"{prefix}{entry.name}"
+                    if seen > MAX_ENTRIES:
+                        if problems is not None:
+                            problems.append(Finding("binary_patch", None, f"more than {MAX_ENTRIES} entries"))
+                        return
+                    st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
+                    if not stat.S_ISDIR(st.st_mode):
+                        yield _Item(rel, st, fd, entry.name)
+                        continue
+                    if entry.name in EXCLUDED_DIRS:
+                        continue
+                    if depth + 1 > MAX_DEPTH or len(rel) > MAX_PATH:
+                        if problems is not None:
+                            problems.append(Finding("outside_repo", rel[:200], "folder too deep; not read"))
+                        continue
+                    stack.append((os.open(entry.name, flags, dir_fd=fd), rel + "/", depth + 1))
+            finally:
+                # A folder's fd is closed once its entries are handed out (files read meanwhile).
+                os.close(fd)
+    finally:
+        for fd, _, _ in stack:
+            os.close(fd)
 
 
 def baseline(root: Path) -> dict[str, Entry]:
     """Record the workspace as the agent receives it (regular files and links; `.git` excluded)."""
     entries: dict[str, Entry] = {}
-    for rel, st in _walk(root):
-        if stat.S_ISREG(st.st_mode):
-            size, digest = _hash(root / rel)
-            entries[rel] = Entry(stat.S_IMODE(st.st_mode), size, digest)
+    for item in _walk(root):
+        if stat.S_ISREG(item.st.st_mode):
+            entries[item.rel] = Entry(stat.S_IMODE(item.st.st_mode), item.st.st_size, item.sha256())
         else:
-            entries[rel] = Entry(stat.S_IFMT(st.st_mode), st.st_size, "")
+            entries[item.rel] = Entry(stat.S_IFMT(item.st.st_mode), item.st.st_size, "")
     return entries
 
 
@@ -154,6 +197,12 @@ def path_problem(path: str) -> str | None:
     """Why `path` cannot be written inside the repository (None when it is a plain relative path)."""
     if not path or "\x00" in path or "\\" in path or "\n" in path:
         return "path contains NUL, backslash or newline"
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "path is not valid UTF-8"
+    if len(path) > MAX_PATH:
+        return f"path longer than {MAX_PATH} characters"
     p = PurePosixPath(path)
     if p.is_absolute() or ".." in p.parts or "." in p.parts or p.as_posix() != path:
         return "path is absolute or leaves the repository"
@@ -167,12 +216,13 @@ def capture(root: Path, base: dict[str, Entry]) -> ChangeSet:
     changes = ChangeSet()
     seen: set[str] = set()
     total = 0
-    for rel, st in _walk(root):
+    for item in _walk(root, changes.findings):
+        rel, st = item.rel, item.st
         seen.add(rel)
         before = base.get(rel)
         if stat.S_ISLNK(st.st_mode):
             if before is None or before.sha256 or before.mode != stat.S_IFLNK:
-                target = (root / rel).readlink()
+                target = os.readlink(item.name, dir_fd=item.dir_fd)
                 changes.findings.append(Finding("symlink", rel, f"symbolic link to {target!r} refused"))
             continue
         if not stat.S_ISREG(st.st_mode):
@@ -180,14 +230,17 @@ def capture(root: Path, base: dict[str, Entry]) -> ChangeSet:
                 Finding("symlink", rel, "not a regular file (fifo, socket or device) refused")
             )
             continue
-        if before is not None and before.size == st.st_size and before.sha256:
-            _, digest = _hash(root / rel)
-            if digest == before.sha256:
-                if stat.S_IMODE(st.st_mode) & 0o111 != before.mode & 0o111:
-                    changes.files[rel] = (root / rel).read_text(encoding="utf-8", errors="replace")
-                    if st.st_mode & 0o100:
-                        changes.executable.add(rel)
-                continue
+        if (
+            before is not None
+            and before.size == st.st_size
+            and before.sha256
+            and item.sha256() == before.sha256
+        ):
+            if stat.S_IMODE(st.st_mode) & 0o111 != before.mode & 0o111:
+                changes.files[rel] = item.read().decode("utf-8", errors="replace")
+                if st.st_mode & 0o100:
+                    changes.executable.add(rel)
+            continue
         problem = path_problem(rel)
         if problem:
             changes.findings.append(Finding("outside_repo", rel, problem))
@@ -200,7 +253,7 @@ def capture(root: Path, base: dict[str, Entry]) -> ChangeSet:
                 Finding("binary_patch", rel, f"file of {st.st_size} bytes exceeds the change-set size limits")
             )
             continue
-        raw = (root / rel).read_bytes()
+        raw = item.read(MAX_FILE_BYTES + 1)
         try:
             if b"\x00" in raw:
                 raise UnicodeDecodeError("utf-8", raw, 0, 1, "NUL byte")
@@ -219,7 +272,12 @@ def capture(root: Path, base: dict[str, Entry]) -> ChangeSet:
 
 
 def sanitize(
-    changes: ChangeSet, *, hidden_tests: Iterable[str] = (), existing_tops: frozenset[str] = frozenset()
+    changes: ChangeSet,
+    *,
+    hidden_tests: Iterable[str] = (),
+    existing_tops: frozenset[str] = frozenset(),
+    runner_modules: frozenset[str] = frozenset(),
+    pristine: Path | None = None,
 ) -> ChangeSet:
     """Drop what the agent may not change (tests, test-runner hooks, bad paths) and report it."""
     hidden = frozenset(hidden_tests)
@@ -230,14 +288,28 @@ def sanitize(
             out.findings.append(Finding("outside_repo", rel, problem))
             continue
         action = "deleted" if rel in changes.deleted else "changed"
+        reason = hook_reason(rel, existing_tops, runner_modules)
+        if reason:
+            out.findings.append(Finding("test_hook_added", rel, f"{reason}; {action} file ignored"))
+            continue
         if is_test_path(rel, hidden):
             out.findings.append(
                 Finding("test_file_modified", rel, f"test file {action}; restored for verify")
             )
             continue
-        reason = hook_reason(rel, existing_tops)
-        if reason:
-            out.findings.append(Finding("test_hook_added", rel, f"{reason}; {action} file ignored"))
+        introduced = (
+            runner_reference(changes.files[rel], _pristine_text(pristine, rel))
+            if rel in changes.files
+            else None
+        )
+        if introduced and rel.endswith(".py"):
+            out.findings.append(
+                Finding(
+                    "test_hook_added",
+                    rel,
+                    f"source adds {introduced!r}, which reaches into the test runner; ignored",
+                )
+            )
             continue
         if rel in changes.deleted:
             out.deleted.add(rel)
@@ -246,6 +318,44 @@ def sanitize(
             if rel in changes.executable:
                 out.executable.add(rel)
     return out
+
+
+# What code under test has no business adding to a fix: the test runner's internals, the process's
+# exit and arguments (where the results file is named), dynamic code. Counted against the pristine
+# file, so a project that already uses one of these can still be fixed.
+RUNNER_REFERENCE = re.compile(
+    r"\b(?:_pytest|pluggy|pytest|TestReport|CallInfo|hookimpl|hookwrapper|junitxml|junit|atexit|"
+    r"sys\.argv|sys\.modules|sys\._getframe|settrace|setprofile|gc\.get_objects|os\._exit|"
+    r"__import__|importlib|builtins|LEGORL_\w+)\b|(?<![\w.])(?:exec|eval|compile)\s*\(|legorl-out"
+)
+
+
+def runner_reference(new: str, old: str) -> str | None:
+    """The first runner-reaching token that `new` uses more often than `old` (None if none)."""
+    before: dict[str, int] = {}
+    for match in RUNNER_REFERENCE.finditer(old):
+        before[match.group(0)] = before.get(match.group(0), 0) + 1
+    counts: dict[str, int] = {}
+    for match in RUNNER_REFERENCE.finditer(new):
+        token = match.group(0)
+        counts[token] = counts.get(token, 0) + 1
+        if counts[token] > before.get(token, 0):
+            return token
+    return None
+
+
+def _pristine_text(pristine: Path | None, rel: str) -> str:
+    if pristine is None:
+        return ""
+    path = pristine / rel
+    try:
+        return (
+            path.read_text(encoding="utf-8", errors="replace")
+            if path.is_file() and not path.is_symlink()
+            else ""
+        )
+    except OSError:
+        return ""
 
 
 def apply(changes: ChangeSet, root: Path) -> None:

@@ -90,13 +90,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         check=False,
     )
     (out / "test.log").write_text(proc.stdout + proc.stderr, encoding="utf-8")
-    result = stages.grade_run(task, junit, proc.stdout)
+    result, tampered = stages.grade_run(task, junit, proc.stdout)
     _emit(
         {
             "stage": "verify",
             "reward": result.reward,
             "grade": result.to_dict(),
-            "tamperFindings": [f.to_dict() for f in tree.findings],
+            "tamperFindings": [f.to_dict() for f in (*tree.findings, *tampered)],
         }
     )
     return 0

@@ -80,6 +80,19 @@ def parse_pytest_log(log: str) -> dict[str, Status]:
     return results
 
 
+def parse_pytest_log_all(log: str) -> dict[str, list[Status]]:
+    """Every status the `-rA` summary gives each test id, in order (a test appears once unless
+    someone printed more summary lines)."""
+    results: dict[str, list[Status]] = {}
+    for line in log.splitlines():
+        match = _LOG_LINE.match(line)
+        if match:
+            status, test_id = match.groups()
+            if not _SKIP_COUNT.match(test_id):
+                results.setdefault(test_id, []).append(status)  # type: ignore[arg-type]
+    return results
+
+
 @dataclass(frozen=True)
 class Grade:
     """Per-test outcome of verification and the reward it earns."""

@@ -20,6 +20,8 @@ Each sandbox is a `bwrap` with new user, pid, mount, ipc, uts, cgroup and networ
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import importlib.util
 import json
 import os
 import shlex
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Literal
 
 import legorl.sandbox
+from legorl.sandbox import seccomp
 from legorl.sandbox.checks import Check
 from legorl.sandbox.taskenv import ensure_task_env
 
@@ -44,6 +47,8 @@ TASK_DIR = "/legorl-task"
 OUT_DIR = "/legorl-out"
 PROXY_SOCKET = "/run/legorl/proxy.sock"
 HOME = "/home/agent"
+UID_LOCKS = Path("/run/legorl/uids")
+MAX_SLOTS = 4096
 CGROUP_JOIN_FAILED = "legorl-sandbox: could not join the sandbox's cgroup"
 
 
@@ -60,6 +65,8 @@ class Limits:
     workspace_bytes: int = 2 * 1024**3
     tmp_bytes: int = 512 * 1024**2
     open_files: int = 4096
+    workspace_inodes: int = 262_144
+    """Files and folders the workspace tmpfs holds (capture walks them all afterwards)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,27 @@ def _mount_points(binds: Sequence[tuple[str, str, bool]]) -> list[str]:
     for path in made:
         args += ["--perms", "0755", "--dir", path]
     return args
+
+
+INNER_MODULES = ("__init__.py", "checks.py", "inner.py")
+
+
+def _inner_lib(path: Path) -> Path:
+    """A copy of the modules a sandbox's first process needs, and nothing else of legorl."""
+    package = path / "legorl" / "sandbox"
+    package.mkdir(parents=True, exist_ok=True)
+    for name in INNER_MODULES:
+        shutil.copyfile(SANDBOX_PACKAGE / name, package / name)
+    return path
+
+
+def _legorl_installs(roots: Sequence[Path]) -> list[Path]:
+    """Folders of the `legorl` package that lie inside the given (bound) folders."""
+    spec = importlib.util.find_spec("legorl")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return sorted(
+        {Path(p).resolve() for p in locations if any(r in Path(p).resolve().parents for r in roots)}
+    )
 
 
 class Cgroup:
@@ -253,30 +281,46 @@ class LocalBackend:
         self.defenses = defenses or Defenses()
         self.uid_base = uid_base
         self.is_root = os.geteuid() == 0
-        self._slots: set[int] = set()
-        self._lock = threading.Lock()
         if self.defenses.isolate and shutil.which("bwrap") is None:
             raise SandboxError("bubblewrap (bwrap) is not installed: apt-get install -y bubblewrap")
         root.mkdir(parents=True, exist_ok=True)
         self.task_env = task_env or ensure_task_env(root / "task-env")
         """Python for the task's code (first on PATH in agent and verify sandboxes)."""
+        self.inner_lib = _inner_lib(root / "inner-lib")
+        """The only part of legorl a sandbox sees: what its first process runs."""
 
     # -- identities -------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def identity(self) -> Iterator[int]:
-        """A host uid no other live sandbox uses (the caller's own uid when not root or unisolated)."""
+        """A host uid no other live sandbox on this host uses (the caller's own uid when not root
+        or unisolated).
+
+        Claimed host-wide, not per backend: an exclusive `flock` on `/run/legorl/uids/<uid>.lock`
+        (released by the kernel if this process dies), and a uid that still owns a process is
+        skipped. Two backends sharing a uid would share its rlimits and keyring, and the kill
+        sweep at the end of one sandbox would kill the other's processes."""
         if not (self.is_root and self.defenses.isolate):
             yield os.getuid()
             return
-        with self._lock:
-            slot = next(i for i in range(1, 1_000_000) if i not in self._slots)
-            self._slots.add(slot)
-        try:
-            yield self.uid_base + slot
-        finally:
-            with self._lock:
-                self._slots.discard(slot)
+        UID_LOCKS.mkdir(parents=True, exist_ok=True)
+        for slot in range(1, MAX_SLOTS + 1):
+            uid = self.uid_base + slot
+            fd = os.open(UID_LOCKS / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            if processes_of(uid):
+                os.close(fd)
+                continue
+            try:
+                yield uid
+            finally:
+                os.close(fd)  # releases the lock
+            return
+        raise SandboxError(f"all {MAX_SLOTS} sandbox uids from {self.uid_base + 1} are in use on this host")
 
     # -- mounts -----------------------------------------------------------------------------
 
@@ -286,7 +330,15 @@ class LocalBackend:
         if not (self.is_root and self.defenses.isolate):
             return False
         proc = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0755,nosuid,nodev", "tmpfs", str(path)],
+            [
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                f"size={size_bytes},nr_inodes={self.limits.workspace_inodes},mode=0755,nosuid,nodev",
+                "tmpfs",
+                str(path),
+            ],
             capture_output=True,
             text=True,
             check=False,
@@ -339,38 +391,26 @@ class LocalBackend:
                 str(write_fd),
                 *command,
             ]
-        full = self._bwrap(command, uid=uid, binds=binds, cwd=cwd, network=network)
+        seccomp_fd = seccomp.pipe_with_program() if self.defenses.isolate else -1
+        full = self._bwrap(command, uid=uid, binds=binds, cwd=cwd, network=network, seccomp_fd=seccomp_fd)
         # The chain: join the cgroups (as root), rlimits, bwrap, (inside) drop to the trial uid.
-        prefix: list[str] = []
-        if cgroup and cgroup.paths:
-            # Quoted: a trial id is part of the cgroup's name, and this shell runs as root.
-            joins = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in cgroup.procs_files())
-            fail = f'echo "{CGROUP_JOIN_FAILED}" >&2; exit 125'
-            prefix = ["/bin/sh", "-c", f'{{ {joins}; }} || {{ {fail}; }}; exec "$@"', "legorl-sandbox"]
-        rlimits = [
-            "prlimit",
-            f"--nproc={limits.pids}",
-            f"--nofile={limits.open_files}",
-            f"--fsize={limits.workspace_bytes}",
-            "--core=0",
-            "--",
-        ]
-        if not self.defenses.isolate:
-            rlimits = []
-            full, cwd, env = _translate(command, cwd, env, binds)
+        if self.defenses.isolate:
+            launch = [*_cgroup_join(cgroup), *self._rlimits(), *full]
+        else:
+            launch, cwd, env = _translate(command, cwd, env, binds)
         try:
             proc = subprocess.Popen(
-                [*prefix, *rlimits, *full] if self.defenses.isolate else full,
+                launch,
                 env=dict(env),
                 cwd=None if self.defenses.isolate else cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                pass_fds=(write_fd,) if report else (),
+                pass_fds=tuple(fd for fd in (write_fd, seccomp_fd) if fd >= 0),
             )
         except OSError as exc:
-            for fd in (read_fd, write_fd):
+            for fd in (read_fd, write_fd, seccomp_fd):
                 if fd >= 0:
                     os.close(fd)
             if cgroup:
@@ -378,6 +418,8 @@ class LocalBackend:
             raise SandboxError(f"could not start the sandbox: {exc}") from exc
         if report:
             os.close(write_fd)
+        if seccomp_fd >= 0:
+            os.close(seccomp_fd)
         output = _Collector(proc.stdout)
         reader = _Collector(os.fdopen(read_fd, "rb")) if report else None
         timed_out = False
@@ -403,8 +445,23 @@ class LocalBackend:
             output=text,
             report=reader.text() if reader else "",
             report_seconds=(reader.first_at - started) if reader and reader.first_at else 0.0,
-            limits_applied=[*(cgroup.applied if cgroup else []), *(rlimits[1:-1])],
+            limits_applied=[
+                *(cgroup.applied if cgroup else []),
+                *(self._rlimits()[1:-1] if self.defenses.isolate else []),
+            ],
         )
+
+    def _rlimits(self) -> list[str]:
+        """prlimit's argv prefix: processes, open files, file size (the workspace's), no cores."""
+        limits = self.limits
+        return [
+            "prlimit",
+            f"--nproc={limits.pids}",
+            f"--nofile={limits.open_files}",
+            f"--fsize={limits.workspace_bytes}",
+            "--core=0",
+            "--",
+        ]
 
     def _bwrap(
         self,
@@ -414,6 +471,7 @@ class LocalBackend:
         binds: Sequence[tuple[str, str, bool]],
         cwd: str,
         network: bool,
+        seccomp_fd: int = -1,
     ) -> list[str]:
         """bwrap argv. As root, bwrap sets up namespaces and mounts with its privileges and
         `setpriv` inside drops to the trial's own host uid (no user namespace: the processes are
@@ -421,7 +479,7 @@ class LocalBackend:
         limits = self.limits
         all_binds = [
             *((str(r), str(r), False) for r in _python_roots()),
-            (str(SANDBOX_PACKAGE), f"{INNER_LIB}/legorl/sandbox", False),
+            (str(self.inner_lib), INNER_LIB, False),
             (str(self.task_env), str(self.task_env), False),
             *binds,
         ]
@@ -437,6 +495,8 @@ class LocalBackend:
             if network:
                 args.append("--share-net")
         args += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
+        if seccomp_fd >= 0:
+            args += ["--seccomp", str(seccomp_fd)]
         args += _system_binds()
         args += ["--proc", "/proc", "--dev", "/dev"]
         # The tmpfs mounts come before the folders for the binds: a bind below /tmp (a test's
@@ -447,6 +507,10 @@ class LocalBackend:
         args += _mount_points(all_binds)
         for host, inside, writable in all_binds:
             args += ["--bind" if writable else "--ro-bind", host, inside]
+        # legorl itself, where an installed copy sits inside a bound Python environment, is
+        # hidden: it holds the bundled task set, every gold fix included.
+        for hidden in _legorl_installs(_python_roots()):
+            args += ["--tmpfs", str(hidden)]
         args += ["--chdir", cwd]
         if self.is_root:
             drop = [
@@ -460,6 +524,16 @@ class LocalBackend:
             ]
             return [*args, "--", *drop, *command]
         return [*args, "--", *command]
+
+
+def _cgroup_join(cgroup: Cgroup | None) -> list[str]:
+    """A root shell that moves itself into the sandbox's cgroups, then execs the rest."""
+    if not (cgroup and cgroup.paths):
+        return []
+    # Quoted: a trial id is part of the cgroup's name, and this shell runs as root.
+    joins = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in cgroup.procs_files())
+    fail = f'echo "{CGROUP_JOIN_FAILED}" >&2; exit 125'
+    return ["/bin/sh", "-c", f'{{ {joins}; }} || {{ {fail}; }}; exec "$@"', "legorl-sandbox"]
 
 
 def _translate(

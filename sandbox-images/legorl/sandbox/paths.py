@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import importlib.metadata
 import sys
 from pathlib import PurePosixPath
 
@@ -17,6 +18,8 @@ HOOK_FILES = frozenset(
         "usercustomize.py",
         "pytest.ini",
         ".pytest.ini",
+        "pytest.toml",
+        ".pytest.toml",
         "tox.ini",
         "setup.cfg",
         "pyproject.toml",
@@ -49,11 +52,23 @@ def is_test_path(path: str, hidden: frozenset[str] = frozenset()) -> bool:
     return any(fnmatch.fnmatchcase(p.name, pat) for pat in TEST_FILES)
 
 
-def hook_reason(path: str, existing_tops: frozenset[str] = frozenset()) -> str | None:
+def installed_plugin_modules() -> frozenset[str]:
+    """Top-level modules of the pytest plugins this interpreter would load (entry points
+    `pytest11`): a repository module of the same name would be loaded in their place."""
+    names: set[str] = set()
+    for entry in importlib.metadata.entry_points(group="pytest11"):
+        names.add(entry.value.split(":", 1)[0].split(".", 1)[0])
+    return frozenset(names)
+
+
+def hook_reason(
+    path: str, existing_tops: frozenset[str] = frozenset(), runner_modules: frozenset[str] = frozenset()
+) -> str | None:
     """Why changing `path` could change how tests run (None when it cannot).
 
     `existing_tops` are the top-level names of the pristine repository: a package the project
-    already has is never flagged for shadowing, only one the agent creates."""
+    already has is never flagged for shadowing, only one the agent creates. `runner_modules` adds
+    the verifying interpreter's pytest plugins (`installed_plugin_modules()`)."""
     p = PurePosixPath(path)
     for part in p.parts[:-1]:
         if part in HOOK_DIRS:
@@ -69,6 +84,6 @@ def hook_reason(path: str, existing_tops: frozenset[str] = frozenset()) -> str |
     if top in existing_tops:
         return None
     module = top[:-3] if top.endswith(".py") and len(p.parts) == 1 else top
-    if module in RUNNER_MODULES or module in sys.stdlib_module_names:
+    if module in RUNNER_MODULES or module in runner_modules or module in sys.stdlib_module_names:
         return f"{top} would shadow the module {module!r} the test runner imports"
     return None

@@ -14,7 +14,8 @@ from pathlib import Path
 from legorl.sandbox import changes as ch
 from legorl.sandbox import workspace
 from legorl.sandbox.checks import Check
-from legorl.sandbox.grade import Grade, GradeError, grade, parse_junit, parse_pytest_log
+from legorl.sandbox.grade import Grade, GradeError, grade, parse_junit, parse_pytest_log_all
+from legorl.sandbox.paths import installed_plugin_modules
 from legorl.sandbox.task import Task
 
 
@@ -48,7 +49,13 @@ class VerifyTree:
 def prepare_verify(pristine: Path, into: Path, task: Task, changes: ch.ChangeSet) -> VerifyTree:
     """Stage 3, files: copy the pristine tree, apply the sanitized changes, restore hidden tests."""
     workspace.copy_tree(pristine, into)
-    clean = ch.sanitize(changes, hidden_tests=task.test_patch_paths, existing_tops=top_level_names(pristine))
+    clean = ch.sanitize(
+        changes,
+        hidden_tests=task.test_patch_paths,
+        existing_tops=top_level_names(pristine),
+        runner_modules=installed_plugin_modules(),
+        pristine=pristine,
+    )
     ch.apply(clean, into)
     patch = subprocess.run(
         ["git", "apply", "--whitespace=nowarn", "-"],
@@ -75,12 +82,41 @@ def test_argv(task: Task, junit: str) -> list[str]:
     return argv
 
 
-def grade_run(task: Task, junit: Path, log: str) -> Grade:
-    """Reward from the verifier's JUnit XML, or from its `-rA` log when the XML is missing."""
+PASSED = ("PASSED", "XPASS")
+
+
+def grade_run(task: Task, junit: Path, log: str) -> tuple[Grade, list[ch.Finding]]:
+    """Reward from the verifier's JUnit XML, cross-checked against pytest's `-rA` summary.
+
+    Both come from the process that also runs the code under test, so either can be forged from
+    inside it (see docs/sandbox.md); forging both consistently is harder, and the summary reached
+    the verifier through a pipe as it was printed. A listed test the XML calls passed while the
+    summary calls it failed (or, with `-rA` in the command, does not name it) makes the reward 0
+    with a `results_tampered` finding. Without JUnit XML the summary alone is used; with neither,
+    this raises GradeError (the caller decides whether that is the agent's doing)."""
+    summary = parse_pytest_log_all(log)
     try:
         results = parse_junit(junit)
     except GradeError:
-        results = parse_pytest_log(log)
-        if not results:
+        if not summary:
             raise
-    return grade(results, task.fail_to_pass, task.pass_to_pass)
+        return grade({k: v[-1] for k, v in summary.items()}, task.fail_to_pass, task.pass_to_pass), []
+    findings: list[ch.Finding] = []
+    # With -rA, pytest's summary names every test; a pass in the XML needs the summary's word.
+    corroborate = "-rA" in task.test_command.split()
+    for test_id in (*task.fail_to_pass, *task.pass_to_pass):
+        if results.get(test_id) not in PASSED:
+            continue
+        seen = summary.get(test_id, [])
+        failed = [s for s in seen if s in ("FAILED", "ERROR")]
+        if failed or (corroborate and not seen):
+            said = ", ".join(seen) or "nothing"
+            findings.append(
+                ch.Finding(
+                    "results_tampered", test_id, f"JUnit XML says it passed; pytest's summary says {said}"
+                )
+            )
+    result = grade(results, task.fail_to_pass, task.pass_to_pass)
+    if findings:
+        return Grade(0.0, result.fail_to_pass, result.pass_to_pass), findings
+    return result, findings

@@ -28,18 +28,13 @@ from legorl.sandbox.local import (
     PROXY_SOCKET,
     TASK_DIR,
     LocalBackend,
+    Run,
     SandboxError,
     parse_report,
 )
 from legorl.sandbox.task import Task, TaskSet
 
 TRIAL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-# Changed source that reaches into the test runner cannot be a fix; it is dropped and reported.
-RUNNER_REFERENCE = re.compile(
-    r"\b(_pytest|pluggy|pytest_runtest\w*|pytest_configure|junitxml|LEGORL_\w+)\b|legorl-out|"
-    r"sys\.modules\s*\[[^\]]*\]\s*=|setattr\(\s*sys\.modules"
-)
 
 
 @dataclass
@@ -88,27 +83,6 @@ def pristine_tree(backend: LocalBackend, task_set: TaskSet, task: Task) -> Path:
     except OSError:  # another trial made it first
         shutil.rmtree(tmp, ignore_errors=True)
     return path
-
-
-def runner_findings(changes: ch.ChangeSet) -> ch.ChangeSet:
-    """Drop changed source files that reference test-runner internals (reported, never applied)."""
-    kept = ch.ChangeSet(
-        files={},
-        executable=set(changes.executable),
-        deleted=set(changes.deleted),
-        findings=list(changes.findings),
-    )
-    for rel, text in changes.files.items():
-        match = RUNNER_REFERENCE.search(text) if rel.endswith(".py") else None
-        if match:
-            kept.findings.append(
-                ch.Finding(
-                    "test_hook_added", rel, f"source refers to the test runner ({match.group(0)!r}); ignored"
-                )
-            )
-        else:
-            kept.files[rel] = text
-    return kept
 
 
 def agent_env(
@@ -232,14 +206,20 @@ class _Trial:
         return True
 
     def verify(self, staged: stages.SetupResult, seconds: float) -> TrialOutcome:
-        """Stage 3 in a fresh sandbox from the pristine tree (the agent's processes are all dead)."""
+        """Stage 3 in a fresh sandbox from the pristine tree (the agent's processes are all dead).
+
+        The tree is bound read-only: the code under test cannot rewrite the hidden tests (or
+        anything else) before pytest imports them. Only the results folder is writable."""
         backend, task, out = self.backend, self.task, self.out
-        captured = runner_findings(ch.capture(self.dir / "workspace", staged.baseline))
+        try:
+            captured = ch.capture(self.dir / "workspace", staged.baseline)
+        except OSError as exc:  # the agent's tree defeated the walk: its work cannot be read
+            out.findings = [ch.Finding("outside_repo", None, f"the workspace could not be read: {exc}")]
+            out.reward = 0.0
+            return out
         started = time.monotonic()
         pristine = pristine_tree(backend, self.task_set, task)
         verify_dir = self.folder("verify")
-        results = verify_dir / "out"
-        results.mkdir()
         try:
             tree = stages.prepare_verify(pristine, verify_dir / "repo", task, captured)
         except (GradeError, ValueError) as exc:
@@ -250,33 +230,66 @@ class _Trial:
             out.reward = 0.0
             out.stage_seconds["verify"] = time.monotonic() - started
             return out
-        with backend.identity() as uid:
-            if backend.is_root:
-                workspace.make_agent_owned(verify_dir, uid, uid)
-            env = {
-                k: v for k, v in agent_env(backend, task).items() if not k.startswith(("OPENAI", "ANTHROPIC"))
-            }
-            run = backend.run(
-                stages.test_argv(task, f"{OUT_DIR}/junit.xml"),
-                uid=uid,
-                binds=[(str(verify_dir / "repo"), task.workspace_dir, True), (str(results), OUT_DIR, True)],
-                cwd=task.workspace_dir,
-                env=env | {"PYTHONNOUSERSITE": "1"},
-                timeout=seconds,
-                name=f"verify-{out.trial}",
-            )
+        run = self._run_tests(verify_dir, seconds)
         out.verify_output = run.output[-20000:]
         out.stage_seconds["verify"] = time.monotonic() - started
         if run.timed_out:
             out.reward, out.error = 0.0, f"tests ran past the {seconds:.0f} s verify deadline"
             return out
         try:
-            out.grade = stages.grade_run(task, results / "junit.xml", run.output)
+            out.grade, tampered = stages.grade_run(task, verify_dir / "out" / "junit.xml", run.output)
         except GradeError as exc:
             tail = run.output[-1500:].strip() or "(no output)"
+            if self._verifier_works(seconds):
+                # The same tests give results without the agent's changes: their absence is the
+                # agent's doing (a crash at import, os._exit), a 0, not an infrastructure failure.
+                out.findings.append(ch.Finding("results_tampered", None, f"no test results: {exc}"))
+                out.reward, out.error = 0.0, f"the tests produced no results with the agent's changes: {tail}"
+                return out
             return self.fail("verifier_error", f"{exc}; the test command exited {run.returncode}: {tail}")
+        out.findings.extend(tampered)
         out.reward = out.grade.reward
         return out
+
+    def _run_tests(self, verify_dir: Path, seconds: float) -> Run:
+        """The task's test command on `verify_dir/repo` (read-only), results to `verify_dir/out`."""
+        backend, task = self.backend, self.task
+        results = verify_dir / "out"
+        results.mkdir(exist_ok=True)
+        with backend.identity() as uid:
+            if backend.is_root:
+                workspace.make_agent_owned(results, uid, uid)
+            env = {
+                k: v for k, v in agent_env(backend, task).items() if not k.startswith(("OPENAI", "ANTHROPIC"))
+            }
+            return backend.run(
+                stages.test_argv(task, f"{OUT_DIR}/junit.xml"),
+                uid=uid,
+                binds=[(str(verify_dir / "repo"), task.workspace_dir, False), (str(results), OUT_DIR, True)],
+                cwd=task.workspace_dir,
+                env=env | {"PYTHONNOUSERSITE": "1"},
+                timeout=seconds,
+                name=f"verify-{self.out.trial}",
+            )
+
+    def _verifier_works(self, seconds: float) -> bool:
+        """Whether the task's tests give results on the pristine tree with the hidden tests and no
+        agent changes (asked once per task and backend, only when a trial got no results)."""
+        record = self.backend.root / "verifier-health" / f"{self.task.instance_id}.json"
+        if record.exists():
+            return bool(json.loads(record.read_text())["works"])
+        check_dir = self.folder("verify-health")
+        pristine = pristine_tree(self.backend, self.task_set, self.task)
+        try:
+            stages.prepare_verify(pristine, check_dir / "repo", self.task, ch.ChangeSet())
+            run = self._run_tests(check_dir, seconds)
+            stages.grade_run(self.task, check_dir / "out" / "junit.xml", run.output)
+            works = True
+        except (GradeError, ValueError):
+            works = False
+        record.parent.mkdir(exist_ok=True)
+        record.write_text(json.dumps({"works": works}))
+        return works
 
     def close(self, keep: bool) -> None:
         for mount in self.mounts:
