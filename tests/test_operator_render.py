@@ -352,12 +352,17 @@ def test_verify_pod_runs_the_pristine_image_without_proxy_or_network() -> None:
     assert text == golden.read_text()
     spec = pod["spec"]
     assert spec["activeDeadlineSeconds"] == pool.spec.deadlines.verify_seconds
-    assert [c["name"] for c in spec["initContainers"]] == ["tools"]
+    assert [c["name"] for c in spec["initContainers"]] == ["tools", "prepare"]
+    prepare = spec["initContainers"][1]
     (verify,) = spec["containers"]
-    assert verify["image"] == trial.task_image
-    assert verify["command"][1] == "verify"
-    assert verify["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert verify["securityContext"]["runAsNonRoot"] is True
+    assert verify["image"] == prepare["image"] == trial.task_image
+    assert "--phase=prepare" in prepare["command"] and "--phase=run" in verify["command"]
+    # The tree is built by one uid and tested by another: the tests cannot rewrite it.
+    assert prepare["securityContext"]["runAsUser"] != verify["securityContext"]["runAsUser"]
+    assert "changes" not in {m["name"] for m in verify["volumeMounts"]}
+    for container in (prepare, verify):
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert container["securityContext"]["runAsNonRoot"] is True
     # Same pool labels as trial pods: the pool's deny-by-default NetworkPolicy selects it.
     policy = next(o for o in render_pool(stored(pool), RenderContext(), []) if o["kind"] == "NetworkPolicy")
     selector = policy["spec"]["podSelector"]["matchLabels"]

@@ -5,8 +5,11 @@ Real git and real pytest throughout; the local bubblewrap backend has its own te
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +23,7 @@ from legorl.sandbox import changes as ch
 from legorl.sandbox import cli, stages, workspace
 from legorl.sandbox import task as task_mod
 from legorl.sandbox.grade import grade, parse_junit, parse_pytest_log
+from legorl.sandbox.local import LocalBackend
 from legorl.sandbox.paths import hook_reason, is_test_path
 from legorl.sandbox.task import DEFAULT_TEST_COMMAND, Task, TaskError, TaskSet, load_jsonl
 
@@ -549,3 +553,72 @@ def test_cli_setup_fails_closed(tmp_path: Path, capsys: pytest.CaptureFixture[st
     rc = cli.main(["setup", f"--workspace={src}", f"--into={tmp_path / 'into'}", "--baseline=/dev/null"])
     assert rc == cli.EXIT_SANDBOX_ERROR
     assert "is not empty" in capsys.readouterr().err
+
+
+REWRITES_TESTS = """import os
+
+
+def add(a, b):
+    return a - b
+
+
+# Imported by the visible tests, collected before the hidden ones: rewrite those while it can.
+_hidden = os.path.join(os.path.dirname(__file__), "..", "tests", "test_hidden.py")
+try:
+    os.chmod(os.path.dirname(_hidden), 0o755)  # undo a read-only tree, where this uid owns it
+    os.chmod(_hidden, 0o644)
+    with open(_hidden, "w") as fh:
+        fh.write("def test_add():\\n    pass\\n")
+except OSError:
+    pass
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("bwrap") is None, reason="runs the phases as sandbox uids (root, bwrap)"
+)
+def test_verify_pod_phases_keep_the_tree_out_of_the_tests_reach(
+    hostile_repo: tuple[Path, str, str], tmp_path: Path
+) -> None:
+    """The verify pod's two containers: `prepare` builds the tree as one uid and leaves it
+    read-only, `run` tests it as another. Code under test that rewrites the hidden tests at import
+    wins when its own uid prepared the tree (the control), and cannot when another uid did."""
+    source, base, test_patch = hostile_repo
+    work = tmp_path / "pod"
+    image_repo = work / "testbed"
+    git(tmp_path, "clone", "-q", str(source), str(image_repo))
+    git(image_repo, "checkout", "-q", base)
+    (work / "task.json").write_text(json.dumps(make_task(base, test_patch).to_dict()))
+    (work / "changes.json").write_text(
+        json.dumps(ch.ChangeSet(files={"calc/__init__.py": REWRITES_TESTS}).to_dict())
+    )
+    backend = LocalBackend(tmp_path / "backend")
+    package = Path(cli.__file__).parent
+
+    def phase(name: str, into: str, out: str, uid: int | None = None) -> dict[str, Any]:
+        argv = [
+            "python", "-m", "legorl.sandbox.cli", "verify", f"--phase={name}",
+            f"--task-file={work / 'task.json'}", f"--changes={work / 'changes.json'}",
+            f"--workspace={image_repo}", f"--into={work / into}", f"--out={work / out}",
+        ]  # fmt: skip
+        if uid is None:  # as root, in this process: the other uid of the pod
+            with contextlib.redirect_stdout(io.StringIO()) as printed:
+                assert cli.main(argv[3:]) == 0
+            return dict(json.loads(printed.getvalue().strip().splitlines()[-1]))
+        env = {"PATH": f"{backend.task_env}/bin:/usr/bin:/bin", "PYTHONPATH": "/opt/t", "HOME": "/tmp"}
+        binds = [(str(work), str(work), True), (str(package), "/opt/t/legorl/sandbox", False)]
+        run = backend.run(argv, uid=uid, binds=binds, cwd=str(work), env=env, timeout=120)
+        assert run.returncode == 0, run.output
+        return dict(json.loads(run.output.strip().splitlines()[-1]))
+
+    with backend.identity() as uid:
+        subprocess.run(["chown", "-R", f"{uid}:{uid}", str(work)], check=True)
+        # Control: the tests' own uid prepares and runs; the rewrite lands and the "fix" earns 1.
+        assert phase("all", "one/repo", "one/out", uid)["reward"] == 1.0
+        # Another uid prepares: the tree is read-only to the tests, which run as written.
+        phase("prepare", "two/repo", "two/out")
+        (work / "two" / "out").chmod(0o777)  # what the pod's fsGroup does for the shared group
+        result = phase("run", "two/repo", "two/out", uid)
+    assert result["reward"] == 0.0
+    assert result["grade"]["FAIL_TO_PASS"] == {f"{HIDDEN}::test_add": "FAILED"}
+    assert (work / "two" / "repo" / HIDDEN).read_text() == HIDDEN_TEST

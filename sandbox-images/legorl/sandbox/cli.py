@@ -5,6 +5,7 @@
                            [--task-file=/legorl-task/task.json] [--git-history=BaseCommitOnly]
     legorl-sandbox capture --workspace=/testbed --baseline=FILE --out=changes.json
     legorl-sandbox verify  --task-file=FILE --changes=changes.json --workspace=/testbed --into=DIR --out=DIR
+                           [--phase all|prepare|run]
     legorl-sandbox egress-lock --allow-uid=65533 --self-test
 
 Each prints its checks or result as JSON on stdout, writes a one-line summary to the Kubernetes
@@ -74,16 +75,32 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """`--phase prepare` (one uid) builds the tree and makes it read-only; `--phase run` (another
+    uid, as on Kubernetes) runs the tests on it and grades; `all` does both in one process."""
     task = _task(args.task_file)
     assert task is not None
-    changes = ch.ChangeSet.from_dict(json.loads(Path(args.changes).read_text(encoding="utf-8")))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tree = stages.prepare_verify(Path(args.workspace), Path(args.into), task, changes)
+    out, tree = Path(args.out), Path(args.into)
+    prepared = out / "prepared.json"
+    if args.phase in ("prepare", "all"):
+        if args.changes is None:
+            raise ValueError("--changes is needed to prepare the verify tree")
+        changes = ch.ChangeSet.from_dict(json.loads(Path(args.changes).read_text(encoding="utf-8")))
+        out.mkdir(parents=True, exist_ok=True)
+        made = stages.prepare_verify(Path(args.workspace), tree, task, changes)
+        stages.make_read_only(tree)
+        # The run phase (another uid in the same group) writes its results here.
+        out.chmod(0o2770)
+        prepared.write_text(json.dumps({"findings": [f.to_dict() for f in made.findings]}), encoding="utf-8")
+        if args.phase == "prepare":
+            _emit(
+                {"stage": "verify-prepare", "files": len(made.applied.files), "findings": len(made.findings)}
+            )
+            return 0
+    findings = [ch.Finding(**f) for f in json.loads(prepared.read_text(encoding="utf-8"))["findings"]]
     junit = out / "junit.xml"
     proc = subprocess.run(
         stages.test_argv(task, str(junit)),
-        cwd=tree.path,
+        cwd=tree,
         capture_output=True,
         text=True,
         timeout=task.test_timeout_seconds,
@@ -96,7 +113,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             "stage": "verify",
             "reward": result.reward,
             "grade": result.to_dict(),
-            "tamperFindings": [f.to_dict() for f in (*tree.findings, *tampered)],
+            "tamperFindings": [f.to_dict() for f in (*findings, *tampered)],
         }
     )
     return 0
@@ -132,10 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_capture)
     p = sub.add_parser("verify", help="stage 3: pristine tree + sanitized changes + hidden tests → reward")
     p.add_argument("--task-file", required=True)
-    p.add_argument("--changes", required=True)
+    p.add_argument("--changes", help="the agent's change set (GET /changes); needed to prepare")
     p.add_argument("--workspace", required=True, help="the pristine tree (the verify pod's image repo)")
-    p.add_argument("--into", required=True, help="empty writable folder for the verify tree")
-    p.add_argument("--out", required=True, help="folder for junit.xml and test.log")
+    p.add_argument("--into", required=True, help="folder for the verify tree (empty to prepare)")
+    p.add_argument("--out", required=True, help="folder for prepared.json, junit.xml and test.log")
+    p.add_argument(
+        "--phase",
+        choices=["all", "prepare", "run"],
+        default="all",
+        help="prepare the read-only tree, run the tests on it, or both (default)",
+    )
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("egress-lock", help="install and self-test the iptables egress lock", add_help=False)
     p.set_defaults(func=None)

@@ -6,6 +6,7 @@ sandbox locally) and how a command is isolated; what a stage does to files lives
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 from dataclasses import dataclass, field
@@ -69,6 +70,21 @@ def prepare_verify(pristine: Path, into: Path, task: Task, changes: ch.ChangeSet
     if patch.returncode != 0:
         raise GradeError(f"the task's test patch does not apply to the pristine tree: {patch.stderr.strip()}")
     return VerifyTree(into, clean, clean.findings)
+
+
+def make_read_only(tree: Path) -> None:
+    """Drop every write bit in the verify tree: the tests run as another uid, which can then
+    neither change nor replace a file (the hidden tests included) before pytest imports it."""
+    for dirpath, dirnames, filenames in os.walk(tree):
+        for name in filenames:
+            path = Path(dirpath) / name
+            if not path.is_symlink():
+                path.chmod(path.stat().st_mode & 0o555)
+        for name in dirnames:
+            path = Path(dirpath) / name
+            if not path.is_symlink():
+                path.chmod(path.stat().st_mode & 0o555)
+    tree.chmod(tree.stat().st_mode & 0o555)
 
 
 def test_argv(task: Task, junit: str) -> list[str]:

@@ -33,6 +33,7 @@ WARM = "warm-sandbox"
 VERIFY = "verify"
 TRIAL = "trial"
 AGENT_UID = 65532
+VERIFY_PREPARE_UID = 65531
 PROXY_UID = 65533
 """The proxy runs as its own user: the egress lock lets only this UID open non-loopback sockets."""
 PROXY_PORT = 4000
@@ -399,15 +400,18 @@ def verify_pod(
         "legorl.dev/run": label_value(trial.run_name),
         "legorl.dev/trial": label_value(trial.trial_id),
     }
-    verify_args = [
-        f"{TOOLS_DIR}/bin/legorl-sandbox",
-        "verify",
-        f"--task-file={TASK_DIR}/task.json",
-        f"--changes={CHANGES_DIR}/changes.json",
-        f"--workspace={workspace}",
-        "--into=/verify/repo",
-        "--out=/verify/out",
-    ]
+    def verify_args(phase: str) -> list[str]:
+        return [
+            f"{TOOLS_DIR}/bin/legorl-sandbox",
+            "verify",
+            f"--phase={phase}",
+            f"--task-file={TASK_DIR}/task.json",
+            *([f"--changes={CHANGES_DIR}/changes.json"] if phase == "prepare" else []),
+            f"--workspace={workspace}",
+            "--into=/verify/repo",
+            "--out=/verify/out",
+        ]
+
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "activeDeadlineSeconds": spec.deadlines.verify_seconds,
@@ -422,13 +426,28 @@ def verify_pod(
                 "args": ["install", f"--into={TOOLS_DIR}"],
                 "securityContext": restricted_container(user=AGENT_UID),
                 "volumeMounts": [{"name": "tools", "mountPath": TOOLS_DIR}],
-            }
+            },
+            {
+                # Builds the tree as another uid and leaves it read-only: the code under test
+                # cannot rewrite the hidden tests before pytest imports them.
+                "name": "prepare",
+                "image": trial.task_image,
+                "command": verify_args("prepare"),
+                "securityContext": restricted_container(user=VERIFY_PREPARE_UID),
+                "volumeMounts": [
+                    {"name": "tools", "mountPath": TOOLS_DIR, "readOnly": True},
+                    {"name": "task", "mountPath": TASK_DIR, "readOnly": True},
+                    {"name": "changes", "mountPath": CHANGES_DIR, "readOnly": True},
+                    {"name": "verify", "mountPath": "/verify"},
+                    {"name": "tmp", "mountPath": "/tmp"},
+                ],
+            },
         ],
         "containers": [
             {
                 "name": "verify",
                 "image": trial.task_image,
-                "command": verify_args,
+                "command": verify_args("run"),
                 "workingDir": "/verify",
                 "env": [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
                 "resources": resources(spec.resources),
@@ -437,7 +456,6 @@ def verify_pod(
                 "volumeMounts": [
                     {"name": "tools", "mountPath": TOOLS_DIR, "readOnly": True},
                     {"name": "task", "mountPath": TASK_DIR, "readOnly": True},
-                    {"name": "changes", "mountPath": CHANGES_DIR, "readOnly": True},
                     {"name": "verify", "mountPath": "/verify"},
                     {"name": "tmp", "mountPath": "/tmp"},
                 ],
