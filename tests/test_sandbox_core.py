@@ -622,3 +622,19 @@ def test_verify_pod_phases_keep_the_tree_out_of_the_tests_reach(
     assert result["reward"] == 0.0
     assert result["grade"]["FAIL_TO_PASS"] == {f"{HIDDEN}::test_add": "FAILED"}
     assert (work / "two" / "repo" / HIDDEN).read_text() == HIDDEN_TEST
+
+
+def test_verify_tree_inside_a_git_checkout_still_gets_its_hidden_tests(
+    hostile_repo: tuple[Path, str, str], tmp_path: Path
+) -> None:
+    """A run folder inside a checkout (`legorl sandbox trial --root .legorl/...`): git must not
+    resolve the test patch against the outer repository and skip it."""
+    source, base, test_patch = hostile_repo
+    pristine = tmp_path / "pristine"
+    workspace.checkout_source(source, base, pristine)
+    outer = tmp_path / "checkout"
+    git(tmp_path, "init", "-q", str(outer))
+    tree = stages.prepare_verify(
+        pristine, outer / "run" / "repo", make_task(base, test_patch), ch.ChangeSet()
+    )
+    assert (tree.path / HIDDEN).read_text() == HIDDEN_TEST

@@ -58,17 +58,23 @@ def prepare_verify(pristine: Path, into: Path, task: Task, changes: ch.ChangeSet
         pristine=pristine,
     )
     ch.apply(clean, into)
+    # git must not find a repository above the tree (a run folder inside a checkout): it would then
+    # take the patch's paths from that repository's top and skip every file outside `into`.
+    env = workspace.git_env() | {"GIT_CEILING_DIRECTORIES": str(into.resolve().parent)}
     patch = subprocess.run(
         ["git", "apply", "--whitespace=nowarn", "-"],
         input=task.test_patch,
         cwd=into,
-        env=workspace.git_env(),
+        env=env,
         capture_output=True,
         text=True,
         check=False,
     )
     if patch.returncode != 0:
         raise GradeError(f"the task's test patch does not apply to the pristine tree: {patch.stderr.strip()}")
+    missing = [rel for rel in task.hidden_test_files if not (into / rel).is_file()]
+    if missing:
+        raise GradeError(f"the task's test patch left hidden tests missing: {missing}")
     return VerifyTree(into, clean, clean.findings)
 
 
