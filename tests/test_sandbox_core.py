@@ -6,16 +6,19 @@ Real git and real pytest throughout; the local bubblewrap backend has its own te
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 import pytest
+import swebench
 from swebench.types import SWEbenchInstance  # the real package's instance schema
 
 from legorl.api.trajectory import TamperFinding
@@ -501,6 +504,54 @@ def test_junit_and_log_parsers_agree_on_a_real_pytest_run(tmp_path: Path) -> Non
     assert from_xml == expected
     # pytest's -rA summary names no test for a skip ("SKIPPED [1] file:line: reason").
     assert from_log == {k: v for k, v in expected.items() if v != "SKIPPED"}
+
+
+def _swebench_log_parser(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """SWE-bench's own `parse_log_pytest`, loaded from the installed package without its
+    `swebench.harness` package init (which imports docker, absent here on purpose)."""
+    root = Path(swebench.__file__).parent / "harness"
+    harness = types.ModuleType("swebench.harness")
+    harness.__path__ = [str(root)]
+    monkeypatch.setitem(sys.modules, "swebench.harness", harness)
+    loaded: Any = None
+    for name, path in (
+        ("swebench.harness.constants", root / "constants" / "__init__.py"),
+        ("swebench.harness.log_parsers.python", root / "log_parsers" / "python.py"),
+    ):
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        loaded = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, loaded)
+        spec.loader.exec_module(loaded)
+    return loaded.parse_log_pytest
+
+
+def test_log_parser_agrees_with_swebench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our `-rA` parser and SWE-bench's `parse_log_pytest` read the same real pytest log alike."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_sample.py").write_text(SAMPLE_TESTS)
+    log = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_sample.py",
+            "-W",
+            "ignore",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTEST_ADDOPTS": ""},
+    ).stdout
+    theirs = _swebench_log_parser(monkeypatch)(log, None)
+    ours = parse_pytest_log(log)
+    assert len(ours) == 6
+    assert ours == theirs
 
 
 def test_reward_needs_every_listed_test_to_pass() -> None:
