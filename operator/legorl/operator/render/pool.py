@@ -400,6 +400,7 @@ def verify_pod(
         "legorl.dev/run": label_value(trial.run_name),
         "legorl.dev/trial": label_value(trial.trial_id),
     }
+
     def verify_args(phase: str) -> list[str]:
         return [
             f"{TOOLS_DIR}/bin/legorl-sandbox",
