@@ -1,15 +1,19 @@
 """The local backend (embedded default): the four stages with Linux namespaces via bubblewrap.
 
-Each sandbox is a `bwrap` with new user, pid, mount, ipc, uts, cgroup and network namespaces:
+Each sandbox is a `bwrap` with new pid, mount, ipc, uts, cgroup and network namespaces (and a user
+namespace when not run as root):
 
 - **network**: only loopback exists. The proxy runs outside, on a Unix socket bound into the
   sandbox; `legorl.sandbox.inner` relays `127.0.0.1:4000` to it, so the proxy is the one way out.
   The host's loopback (the engine, other trials' proxies) is a different namespace's loopback.
 - **filesystem**: system folders and the Python runtime read-only; the workspace writable (a
-  size-limited tmpfs when running as root); `/tmp` and `$HOME` size-limited tmpfs; nothing else of
-  the host — no run store, no journal, no other trial.
-- **identity**: every sandbox runs as its own unprivileged host uid (`uid_base + slot`), with no
-  capabilities and `no_new_privs`; so rlimits are per trial and a sweep by uid finds every process.
+  size- and inode-limited tmpfs when running as root); `/tmp` and `$HOME` size-limited tmpfs;
+  nothing else of the host — no run store, no journal, no other trial, and of legorl only a copy
+  of the modules `inner` runs.
+- **identity**: every sandbox runs as its own unprivileged host uid (`uid_base + slot`, claimed
+  host-wide), with no capabilities and `no_new_privs`; so rlimits are per trial and a sweep by uid
+  finds every process.
+- **system calls**: a seccomp filter (`seccomp.py`) denies keyrings, namespaces, mounts, modules.
 - **limits**: pids and memory by cgroup (v1 or v2, when writable), and rlimits (processes, open
   files, file size, core dumps) always.
 - **cleanup**: the pid namespace dies with its init; after every stage all processes of the
