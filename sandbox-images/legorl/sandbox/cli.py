@@ -11,8 +11,8 @@
 Each prints its checks or result as JSON on stdout, writes a one-line summary to the Kubernetes
 termination log when it exists, and exits 0 (done), 3 (a defense self-test failed: the trial
 ends `defense_failed`), 4 (verifier error), 5 (the workspace could not be built: `sandbox_error`)
-or 2 (usage). Standard library only: it runs inside task
-images with the interpreter the init image ships.
+or 2 (usage). Standard library only: it runs inside task images with the interpreter the init
+image ships.
 """
 
 from __future__ import annotations
