@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from legorl.proxy.testing import FakeEngine
-from legorl.sandbox import workspace
+from legorl.sandbox import seccomp, workspace
 from legorl.sandbox.local import Defenses, Limits, LocalBackend, processes_of
 from legorl.sandbox.task import Task, TaskSet
 from legorl.sandbox.trial import TrialOutcome, run_local_trial
@@ -119,6 +119,14 @@ def test_a_fix_earns_reward_and_a_non_fix_does_not(backend: LocalBackend, task_s
     assert saved["terminationReason"] == "agent_error"
 
 
+def test_the_seccomp_program_is_well_formed() -> None:
+    for machine in seccomp.ARCHES:
+        program = seccomp.program(machine)
+        assert len(program) % 8 == 0 and len(program) // 8 < 256  # sock_filter entries, short jumps
+    with pytest.raises(seccomp.UnsupportedArchitecture, match="no seccomp table for sparc"):
+        seccomp.program("sparc")
+
+
 def test_trial_ids_cannot_name_folders_outside_the_root(backend: LocalBackend, task_set: TaskSet) -> None:
     for bad in ("../escape", "a/b", "", ".hidden", "x" * 200):
         with pytest.raises(ValueError, match="trial id"):
@@ -131,7 +139,9 @@ def test_the_agent_is_an_unprivileged_uid_of_its_own(backend: LocalBackend, task
         "id -u; grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status; "
         "touch /usr/x 2>&1; touch /etc/x 2>&1; ls /proc | grep -c '^[0-9]'; hostname; "
         "touch ok && echo workspace-writable; "
-        "python -c 'import sys, pytest; print(\"task-python\", sys.prefix); import hypothesis' 2>&1 | tail -2"
+        "python -c 'import sys, pytest; print(\"task-python\", sys.prefix); import hypothesis' 2>&1 "
+        "| tail -2; "
+        "unshare -Ur true 2>&1; unshare -n true 2>&1; python -c 'import legorl.sandbox.trial' 2>&1 | tail -1"
     )
     out = trial(backend, task_set, script)
     lines = out.agent_output
@@ -147,6 +157,10 @@ def test_the_agent_is_an_unprivileged_uid_of_its_own(backend: LocalBackend, task
     # The task's Python stands in for the task image's: pytest, and nothing else of the host.
     assert f"task-python {backend.task_env}" in lines
     assert "No module named 'hypothesis'" in lines
+    # seccomp: no new namespaces, not even a user namespace (where most container escapes start).
+    assert lines.count("unshare failed: Operation not permitted") == 2
+    # Of legorl, only the modules the sandbox's first process runs.
+    assert "No module named 'legorl.sandbox.trial'" in lines
 
 
 def test_limits_hold(backend: LocalBackend, task_set: TaskSet) -> None:
