@@ -20,7 +20,7 @@ import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from legorl.sandbox.paths import hook_reason, is_test_path
 
@@ -75,15 +75,17 @@ class _Item:
     dir_fd: int
     name: str
 
-    def read(self, limit: int = -1) -> bytes:
+    def open(self) -> BinaryIO:
         fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
-        with os.fdopen(fd, "rb") as fh:
+        return os.fdopen(fd, "rb")
+
+    def read(self, limit: int = -1) -> bytes:
+        with self.open() as fh:
             return fh.read(limit)
 
     def sha256(self) -> str:
         digest = hashlib.sha256()
-        fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
-        with os.fdopen(fd, "rb") as fh:
+        with self.open() as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)
         return digest.hexdigest()

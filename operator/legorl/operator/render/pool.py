@@ -271,13 +271,7 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
         setup_args.append(f"--task-file={TASK_DIR}/task.json")
         base_env["LEGORL_TASK_FILE"] = f"{TASK_DIR}/problem.md"
     init_containers: list[dict[str, Any]] = [
-        {
-            "name": "tools",
-            "image": ctx.images.sandbox_init,
-            "args": ["install", f"--into={TOOLS_DIR}"],
-            "securityContext": restricted_container(user=AGENT_UID),
-            "volumeMounts": [{"name": "tools", "mountPath": TOOLS_DIR}],
-        },
+        _tools_init(ctx),
         {
             "name": "harness-runtime",
             "image": harness_image(harness, ctx),
@@ -374,6 +368,17 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
+def _tools_init(ctx: RenderContext) -> dict[str, Any]:
+    """Init container copying `legorl-sandbox` (and its interpreter) into the `tools` volume."""
+    return {
+        "name": "tools",
+        "image": ctx.images.sandbox_init,
+        "args": ["install", f"--into={TOOLS_DIR}"],
+        "securityContext": restricted_container(user=AGENT_UID),
+        "volumeMounts": [{"name": "tools", "mountPath": TOOLS_DIR}],
+    }
+
+
 def _task_mount(trial: TrialContext) -> list[dict[str, Any]]:
     return [{"name": "task", "mountPath": TASK_DIR, "readOnly": True}] if trial.task_config_map else []
 
@@ -421,13 +426,7 @@ def verify_pod(
         "securityContext": {**RESTRICTED_POD_SECURITY, "fsGroup": AGENT_UID},
         "terminationGracePeriodSeconds": 10,
         "initContainers": [
-            {
-                "name": "tools",
-                "image": ctx.images.sandbox_init,
-                "args": ["install", f"--into={TOOLS_DIR}"],
-                "securityContext": restricted_container(user=AGENT_UID),
-                "volumeMounts": [{"name": "tools", "mountPath": TOOLS_DIR}],
-            },
+            _tools_init(ctx),
             {
                 # Builds the tree as another uid and leaves it read-only: the code under test
                 # cannot rewrite the hidden tests before pytest imports them.
