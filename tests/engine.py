@@ -2,9 +2,10 @@
 
 Plain helpers, no pytest fixtures, so any test module (or a benchmark script) can use them:
 
-- ``make_tiny_model(directory)`` writes a ~1.5M-parameter ``Qwen3MoeForCausalLM`` with random weights, a
-  byte-level BPE tokenizer trained on text generated here, and a ChatML chat template with hermes-style tool
-  calls (the Qwen layout). No network, no hub; deterministic for a seed; takes seconds.
+- ``make_tiny_model(directory)`` (from ``legorl.trainer.tiny``, the product's ``builtin://tiny-moe``) writes a
+  ~1.5M-parameter ``Qwen3MoeForCausalLM`` with random weights, a byte-level BPE tokenizer trained on text
+  generated here, and a ChatML chat template with hermes-style tool calls (the Qwen layout). No network, no
+  hub; deterministic for a seed; takes seconds.
 - ``VllmServer(model_dir)`` runs ``python -m vllm.entrypoints.openai.api_server`` on it in a subprocess (the
   test process never imports vLLM) and stops the whole process group on exit.
 
@@ -15,10 +16,7 @@ cheap and has no side effects.
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -27,300 +25,16 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
-ENDOFTEXT = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
-# Plain added tokens, as in Qwen's tokenizers: matched as one token each, but not "special" (decoding keeps
-# them even with skip_special_tokens, so a tool parser sees them).
-TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# The tiny model lives in the product (`builtin://tiny-moe`); re-exported here for the engine tests.
+from legorl.trainer.tiny import IM_END, make_tiny_model
+
+__all__ = ["IM_END", "SERVED_MODEL_NAME", "VllmServer", "free_port", "make_tiny_model"]
+
 SERVED_MODEL_NAME = "policy"
-VOCAB_SIZE = 4000
-
-# A Qwen2.5/Qwen3-style ChatML template with hermes tool calls: tools listed as JSON lines inside
-# <tools></tools> in the system turn; assistant tool calls as
-# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>; tool results folded into one user turn of
-# <tool_response>...</tool_response> blocks.
-CHAT_TEMPLATE = """\
-{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\\n\\n' }}
-    {%- endif %}
-    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n" }}
-    {{- "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments " }}
-    {{- "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n" }}
-    {{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.content is string %}
-        {%- set content = message.content %}
-    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}
-    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
-    {%- elif message.role == 'assistant' %}
-        {{- '<|im_start|>assistant\\n' + content }}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or not loop.first %}
-                    {{- '\\n' }}
-                {%- endif %}
-                {%- if tool_call.function is defined %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
-
-_WORD_TEXT = (
-    "the a an of to in is it that for on with as was by at from this be are or have not but had his they "
-    "you which one we all were there when can will more if no out so said what up its about into than them "
-    "only other new some could time these two may then first any like now over such our man me even most "
-    "made after also did many before must through back years where much your way well down should because "
-    "each just those people how too little state good very make world still own see work long get here "
-    "between both life being under never day same another know while last might us great old year off come "
-    "since against go came right used take three file code test model agent tool call run build error value "
-    "result request response token server client proxy engine policy reward trainer sample batch step "
-    "update weight version cluster node pod job queue stream event message user assistant system function "
-    "argument return list dict string number true false null data path command output input repository "
-    "branch commit patch diff line column index offset length size limit timeout retry status health"
-)
-_NAME_TEXT = (
-    "foo bar baz qux items values result total count index data config path name text line lines "
-    "parser reader writer buffer request response client server tokens weights batch step seed"
-)
-_WORDS = _WORD_TEXT.split()
-_NAMES = _NAME_TEXT.split()
-_FUNCS = ("bash", "read_file", "write_file", "search", "list_dir", "run_tests", "apply_patch", "grep")
-_ONSET_TEXT = "b c d f g h k l m n p r s t v w z br ch cl dr fl gr pl pr sh st str th tr qu sp sk"
-_VOWEL_TEXT = "a e i o u ai ea ee io ou oo y"
-_CODA_TEXT = "n r s t l m nd ng st ck rt ss x ght"
-_ONSETS = ["", *_ONSET_TEXT.split()]
-_VOWELS = _VOWEL_TEXT.split()
-_CODAS = ["", "", *_CODA_TEXT.split()]
-
-
-class _Corpus:
-    """Draws words Zipf-style from a word list plus pseudo-words; writes prose, code, JSON and chat turns."""
-
-    def __init__(self, seed: int, lexicon_size: int = 6000) -> None:
-        self.rng = random.Random(seed)
-        words: set[str] = set()
-        while len(words) < lexicon_size:
-            syllables = self.rng.choice((1, 2, 2, 3, 3, 4))
-            parts = (self._pick(_ONSETS) + self._pick(_VOWELS) + self._pick(_CODAS) for _ in range(syllables))
-            words.add("".join(parts))
-        lexicon = list(_WORDS) + sorted(words - set(_WORDS))
-        self.lexicon = lexicon
-        self.cum_weights = list(itertools.accumulate(1.0 / (rank + 10) for rank in range(len(lexicon))))
-
-    def _pick(self, options: Sequence[str]) -> str:
-        return options[self.rng.randrange(len(options))]
-
-    def word(self) -> str:
-        return self.rng.choices(self.lexicon, cum_weights=self.cum_weights)[0]
-
-    def identifier(self) -> str:
-        if self.rng.random() < 0.5:
-            return self._pick(_NAMES)
-        parts = [self.word() for _ in range(self.rng.randint(1, 3))]
-        if self.rng.random() < 0.3:
-            return parts[0] + "".join(p.capitalize() for p in parts[1:])
-        return "_".join(parts)
-
-    def sentence(self) -> str:
-        rng = self.rng
-        words = [self.word() for _ in range(rng.randint(4, 18))]
-        words[0] = words[0].capitalize()
-        if rng.random() < 0.3:
-            cut = rng.randint(1, len(words) - 1)
-            words[cut - 1] += ","
-        return " ".join(words) + self._pick(".....?!:")
-
-    def python(self) -> str:
-        rng = self.rng
-        name = self.identifier()
-        args = ", ".join(self.identifier() for _ in range(rng.randint(0, 3)))
-        lines = [
-            f"def {self._pick(_FUNCS)}_{self.identifier()}({args}):",
-            f'    """{self.sentence()}"""',
-            f"    {name} = []",
-            f"    for i in range({rng.randint(1, 100)}):",
-            f"        if i % {rng.randint(2, 9)} == 0:",
-            f"            {name}.append(i * {rng.randint(1, 50)})",
-            f"        elif {self.identifier()} is None:",
-            "            continue",
-            f"    return {{'{self.identifier()}': {name}, 'ok': {self._pick(['True', 'False'])}}}",
-        ]
-        if rng.random() < 0.5:
-            lines = ["import os", "import json", "from pathlib import Path", "", "", *lines]
-        if rng.random() < 0.5:
-            lines += ["", "", f"class {self.word().capitalize()}{self.word().capitalize()}:"]
-            lines += ["    def __init__(self):"]
-            lines += [f"        self.{self.identifier()} = {rng.randint(0, 999)}" for _ in range(3)]
-        return "\n".join(lines) + "\n"
-
-    def json_value(self, depth: int = 0) -> Any:
-        rng = self.rng
-        kind = rng.randint(0, 5 if depth < 2 else 3)
-        if kind == 0:
-            return rng.randint(-1000, 100000)
-        if kind == 1:
-            return " ".join(self.word() for _ in range(rng.randint(1, 6)))
-        if kind == 2:
-            return rng.choice([True, False, None])
-        if kind == 3:
-            return round(rng.uniform(-10, 10), rng.randint(1, 4))
-        if kind == 4:
-            return [self.json_value(depth + 1) for _ in range(rng.randint(0, 4))]
-        return {self.identifier(): self.json_value(depth + 1) for _ in range(rng.randint(1, 4))}
-
-    def chat(self) -> str:
-        call = {"name": self._pick(_FUNCS), "arguments": {self.identifier(): self.json_value(2)}}
-        return (
-            f"{IM_START}user\n{self.sentence()}{IM_END}\n{IM_START}assistant\n{self.sentence()}\n"
-            f"<tool_call>\n{json.dumps(call)}\n</tool_call>{IM_END}\n{IM_START}user\n<tool_response>\n"
-            f"{json.dumps(self.json_value())}\n</tool_response>{IM_END}\n"
-        )
-
-    def document(self) -> str:
-        kind = self.rng.randint(0, 3)
-        if kind == 0:
-            return " ".join(self.sentence() for _ in range(self.rng.randint(2, 8))) + "\n"
-        if kind == 1:
-            return self.python()
-        if kind == 2:
-            return json.dumps(self.json_value(), indent=self.rng.choice([None, 2])) + "\n"
-        return self.chat()
-
-
-def training_corpus(seed: int = 0, *, documents: int = 2000) -> Iterator[str]:
-    """Deterministic English-ish prose, Python code, JSON and ChatML tool-call turns (~0.7 MB in all)."""
-    corpus = _Corpus(seed)
-    for _ in range(documents):
-        yield corpus.document()
-
-
-def make_tiny_model(directory: Path, *, seed: int = 0) -> Path:
-    """Write a tiny random Qwen3-MoE checkpoint (fp32 safetensors, tokenizer, chat template) to `directory`.
-
-    hidden 128, 2 layers, 8 experts (top-2, moe_intermediate_size 64), 4 query heads and 2 KV heads of dim 32,
-    vocab ~4000, untied embeddings, initializer_range 0.5 so next-token distributions are peaked rather than
-    flat. Returns `directory`.
-    """
-    import tokenizers  # noqa: PLC0415 -- heavy imports stay out of module import
-    import torch  # noqa: PLC0415
-    import transformers as transformers_typed  # noqa: PLC0415
-
-    # transformers' constructors are partly untyped and its config fields are strict dataclass fields.
-    transformers: Any = transformers_typed
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-
-    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    raw = tokenizers.Tokenizer(tokenizers.models.BPE())
-    raw.pre_tokenizer = byte_level
-    raw.decoder = tokenizers.decoders.ByteLevel()
-    raw.post_processor = tokenizers.processors.ByteLevel(trim_offsets=False)
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS) - len(TOOL_TOKENS),
-        min_frequency=2,
-        show_progress=False,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    raw.train_from_iterator(training_corpus(seed), trainer=trainer)
-    # Special and tool tokens go after the learned vocabulary, as in Qwen's tokenizers.
-    raw.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    raw.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        unk_token=None,
-        bos_token=None,
-        additional_special_tokens=[IM_START, IM_END],
-        model_max_length=32768,
-        clean_up_tokenization_spaces=False,
-        split_special_tokens=False,
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(directory))
-
-    vocab_size = len(tokenizer)
-    endoftext_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        initializer_range=0.5,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        decoder_sparse_step=1,
-        moe_intermediate_size=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        bos_token_id=endoftext_id,
-        eos_token_id=im_end_id,
-        pad_token_id=endoftext_id,
-        dtype="float32",
-    )
-    config.head_dim = 32  # Qwen3 keeps head_dim explicit (hidden/heads here, but readers look for the key)
-    config.architectures = ["Qwen3MoeForCausalLM"]
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32)
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=endoftext_id,
-        eos_token_id=[im_end_id, endoftext_id],
-        pad_token_id=endoftext_id,
-    )
-    model.save_pretrained(str(directory))
-    return directory
 
 
 def free_port(host: str = "127.0.0.1") -> int:

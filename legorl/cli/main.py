@@ -177,6 +177,13 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_train(argv: Sequence[str]) -> int:
+    # The trainer parses and validates its arguments before importing torch (legorl.trainer.main).
+    from legorl.trainer.main import main as train_main  # noqa: PLC0415
+
+    return train_main(argv)
+
+
 def _cmd_crds(args: argparse.Namespace) -> int:
     from legorl.manifests.generated import stale_files, write_generated  # noqa: PLC0415
 
@@ -318,6 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parsers(sub)
 
+    p = sub.add_parser(
+        "train",
+        help="train an RLRun's policy from the batches in its run store (`legorl train --help`)",
+        add_help=False,
+    )
+    p.set_defaults(func=lambda _args: _run_train(["--help"]))
+
     p = sub.add_parser("version", help="print versions")
     p.set_defaults(func=_cmd_version)
     return parser
@@ -327,6 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["proxy"]:
         return _run_proxy(argv[1:])
+    if argv[:1] == ["train"]:
+        return _run_train(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -60,7 +60,7 @@ class ProxySettings(BaseModel):
     only on whole responses, so every call then goes upstream unstreamed (a streaming harness still
     gets a stream, replayed from the whole answer), and a turn without routing is refused as an
     engine error instead of being journaled without it."""
-    policy_version: str = "0"
+    policy_version: str = "v0"
     """Version recorded when the engine cannot report one (no `/weight_info`)."""
     policy_version_source: Literal["engine", "fixed"] = "engine"
     """`engine`: read `GET /weight_info` before and after each call, recording every version the

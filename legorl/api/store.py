@@ -1,0 +1,573 @@
+"""The run store: committed trial batches, published weights, trainer metrics and state under one fsspec URI.
+
+Shared by the run controller (writes batches), the trainer (reads batches, publishes
+weights, writes metrics and its resume pointer) and the UI (reads everything). Layout
+under the store's root:
+
+    batches/step-000007/trials.parquet    trial records of step 7 (TRIAL_SCHEMA)
+    batches/step-000007/COMMIT.json       written last: the batch exists once this does
+    weights/v7/...                        the policy's weights after step 7 (safetensors)
+    weights/v7/PUBLISHED.json             written last: the version exists once this does
+    metrics/trainer/step-000007.json      the trainer's figures of step 7
+    trainer/state.json                    what a restarted trainer resumes from
+    run.json                              the RLRun the store belongs to
+
+Object stores have no rename, so every commit is "data objects first, then one small JSON
+marker": a single PUT is atomic, and readers only look at what a marker names. On a local
+directory every JSON object is written to a temporary file, fsync'd and renamed into
+place, so a crash never leaves a half-written marker. The store assumes one writer per
+kind of object (one run controller, one trainer); readers may be many.
+
+Policy versions are named `v<step>`: `v0` is the initial checkpoint, `vN` the weights after
+training step N (`policy_version`, `parse_policy_version`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import posixpath
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+from legorl.api.trajectory import (
+    SCHEMA_VERSION,
+    TRIAL_SCHEMA,
+    SchemaVersionError,
+    TrajectoryError,
+    TrialRecord,
+    check_schema,
+    trials_from_table,
+    trials_to_table,
+)
+
+__all__ = [
+    "STORE_FORMAT",
+    "Batch",
+    "BatchRef",
+    "PublishedWeights",
+    "RunStore",
+    "StoreError",
+    "parse_policy_version",
+    "policy_version",
+]
+
+STORE_FORMAT: Final = 1
+"""Version of the layout and of the marker files; readers refuse markers of another version."""
+
+MetricValue = float | int | str | None
+
+_VERSION_RE: Final = re.compile(r"v(0|[1-9][0-9]*)")
+_STEP_DIR_RE: Final = re.compile(r"step-([0-9]{6,})")
+
+
+class StoreError(RuntimeError):
+    """The run store holds something other than what was asked for (missing, corrupt, conflicting)."""
+
+
+def policy_version(step: int) -> str:
+    """The policy version after training step `step`: `v0` is the initial checkpoint."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"a policy version needs a step ≥ 0, got {step!r}")
+    return f"v{step}"
+
+
+INITIAL_VERSION_ALIASES: Final = frozenset({"default"})
+"""What an engine reports before its first weight update: vLLM names its startup weights `default`.
+They are the run's initial policy, v0."""
+
+
+def parse_policy_version(version: str) -> int:
+    """The step of a policy version string (`"v7"` → 7, vLLM's startup `"default"` → 0); ValueError
+    for anything else."""
+    if version in INITIAL_VERSION_ALIASES:
+        return 0
+    match = _VERSION_RE.fullmatch(version) if isinstance(version, str) else None
+    if match is None:
+        raise ValueError(
+            f"policy version {version!r} is not of the form v<step> (v0, v1, ...); versions are "
+            "made by legorl.api.store.policy_version(step)"
+        )
+    return int(match.group(1))
+
+
+def _step_dir(step: int) -> str:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"a step is an integer ≥ 0, got {step!r}")
+    return f"step-{step:06d}"
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _json_bytes(obj: Any) -> bytes:
+    # allow_nan=False: NaN/Infinity are not JSON and would break every non-Python reader.
+    return json.dumps(obj, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class BatchRef:
+    """A committed batch, as its COMMIT.json describes it."""
+
+    step: int
+    policy_version: str
+    """The policy version the trainer trains from when it consumes this batch."""
+    num_trials: int
+    sha256: str
+    """SHA-256 of `trials.parquet`."""
+    size: int
+    """Bytes of `trials.parquet`."""
+    created_at: str
+    """RFC 3339 time of the commit."""
+    meta: dict[str, Any]
+    """Free-form JSON the run controller attached (timings, counts)."""
+    path: str
+    """URL of `trials.parquet`."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A committed batch read back: its commit marker and its trial records."""
+
+    ref: BatchRef
+    trials: list[TrialRecord]
+
+
+@dataclass(frozen=True)
+class PublishedWeights:
+    """A published policy version, as its PUBLISHED.json describes it."""
+
+    version: str
+    step: int
+    sha256: str
+    """Digest of the weights, as the publisher computed it."""
+    files: list[str]
+    """File names under `weights/<version>/` at publication (the marker excluded)."""
+    published_at: str
+    path: str
+    """URL of the weights folder, ending in `/`."""
+
+
+class RunStore:
+    """One run's store at an fsspec URI: a local directory, `file://`, `memory://`, `s3://`, `gs://`..."""
+
+    def __init__(
+        self,
+        uri: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        clock: Callable[[], datetime] = _now,
+    ) -> None:
+        text = os.fspath(uri)
+        if not text:
+            raise ValueError("a run store needs a URI (a local directory, file://, s3://, memory://...)")
+        try:
+            fs, root = fsspec.core.url_to_fs(text, **dict(storage_options or {}))
+        except (ValueError, ImportError) as exc:
+            raise StoreError(
+                f"cannot open run store {text!r}: {exc}. Use a local directory or an fsspec URL "
+                "whose filesystem is installed (s3:// needs s3fs, gs:// needs gcsfs; pvc:// is "
+                "resolved to its mount path by the operator)"
+            ) from exc
+        self.uri = text
+        self.fs: fsspec.AbstractFileSystem = fs
+        self._root = root.rstrip("/")
+        self._local = isinstance(fs, LocalFileSystem)
+        self._clock = clock
+
+    def __repr__(self) -> str:
+        return f"RunStore({self.uri!r})"
+
+    # --- paths -------------------------------------------------------------------------------
+    def _relative(self, path: str) -> str:
+        # A path or URL this store handed out (e.g. `weights_path`) is accepted as well.
+        for prefix in (self._root, self.fs.unstrip_protocol(self._root)):
+            if prefix and (path == prefix or path.startswith(prefix.rstrip("/") + "/")):
+                return path[len(prefix) :].lstrip("/")
+        return path
+
+    def fs_path(self, relative: str) -> str:
+        """The filesystem path (for `self.fs`) of a path relative to the store's root.
+
+        Paths and URLs inside the store (as `url` and `weights_path` return them) are accepted
+        too; anything leading outside the store raises ValueError."""
+        relative = self._relative(relative)
+        parts = [p for p in relative.split("/") if p]
+        if relative.startswith("/") or any(p in (".", "..") for p in parts):
+            raise ValueError(f"store paths are relative and stay inside the store, got {relative!r}")
+        joined = "/".join(parts)
+        if not joined:
+            return self._root or "/"
+        return f"{self._root}/{joined}"
+
+    def url(self, relative: str) -> str:
+        """A URL of a path in the store that fsspec (and, for local stores, anything else) can open.
+
+        A local store gives a plain absolute path; others give `protocol://...`. A trailing
+        `/` on `relative` is kept (folders)."""
+        path = self.fs_path(relative)
+        if not self._local:
+            path = self.fs.unstrip_protocol(path)
+        return path + "/" if relative.endswith("/") and not path.endswith("/") else path
+
+    def local_path(self, relative: str) -> Path | None:
+        """The real local path of `relative` (or of a URL of this store) for a local store, else None."""
+        path = self.fs_path(relative)
+        return Path(path) if self._local else None
+
+    # --- low-level I/O -----------------------------------------------------------------------
+    def write_object(self, relative: str, data: bytes) -> None:
+        """Write one object so that readers see all of it or nothing (e.g. a weight file)."""
+        path = self.fs_path(relative)
+        if not self._local:
+            self.fs.pipe_file(path, data)  # one PUT: atomic on object stores and in memory://
+            return
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            with tmp.open("wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        # The rename is durable only once the directory entry is.
+        fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _get(self, relative: str) -> bytes | None:
+        try:
+            data: bytes = self.fs.cat_file(self.fs_path(relative))
+        except FileNotFoundError:
+            return None
+        return data
+
+    def _get_json(self, relative: str) -> dict[str, Any] | None:
+        data = self._get(relative)
+        if data is None:
+            return None
+        try:
+            obj = json.loads(data)
+        except ValueError as exc:
+            raise StoreError(f"{self.url(relative)} is not valid JSON ({exc}); the store is damaged") from exc
+        if not isinstance(obj, dict):
+            raise StoreError(f"{self.url(relative)} holds a JSON {type(obj).__name__}, expected an object")
+        return obj
+
+    def _glob(self, pattern: str) -> list[str]:
+        # Object-store filesystems cache listings; a reader polling for new commits must not
+        # be served yesterday's listing.
+        self.fs.invalidate_cache()
+        found: list[str] = self.fs.glob(self.fs_path(pattern))
+        return found
+
+    @staticmethod
+    def _check_format(obj: dict[str, Any], where: str) -> None:
+        fmt = obj.get("format")
+        if fmt != STORE_FORMAT:
+            raise StoreError(
+                f"{where} was written in store format {fmt!r}; this legorl reads format "
+                f"{STORE_FORMAT} — upgrade legorl or use a new run store"
+            )
+
+    # --- batches -----------------------------------------------------------------------------
+    def commit_batch(
+        self,
+        step: int,
+        trials: list[TrialRecord],
+        *,
+        policy_version: str,
+        meta: Mapping[str, Any] | None = None,
+    ) -> BatchRef:
+        """Write step `step`'s trial records, then its commit marker; the batch is visible once committed.
+
+        Committing a step again with the same trials, policy version and meta returns the
+        existing commit; anything different raises StoreError (a committed batch may already
+        have been trained on, so it is never replaced)."""
+        folder = f"batches/{_step_dir(step)}"
+        parse_policy_version(policy_version)
+        meta_json = json.loads(_json_bytes(dict(meta or {})))
+        try:
+            table = trials_to_table(trials)
+        except TrajectoryError as exc:
+            raise StoreError(f"step {step}: a trial record breaks the trajectory contract: {exc}") from exc
+        sink = io.BytesIO()
+        # The parquet bytes are buffered in memory so their digest is known before the marker
+        # is written; they are smaller than the Arrow table the records already occupy.
+        pq.write_table(table, sink, compression="zstd")
+        data = sink.getvalue()
+        digest = _sha256(data)
+
+        existing = self._get_json(f"{folder}/COMMIT.json")
+        if existing is not None:
+            ref = self._ref(step, existing)
+            same = ref.policy_version == policy_version and ref.meta == meta_json
+            if same and ref.sha256 != digest:
+                # Another pyarrow may encode the same rows differently: compare the rows.
+                same = self._read_table(ref).equals(table)
+            if not same:
+                raise StoreError(
+                    f"step {step} is already committed at {ref.path} with different content "
+                    f"(policy version {ref.policy_version}, {ref.num_trials} trials); a committed "
+                    "batch is never replaced — commit the new trials under a later step"
+                )
+            return ref
+
+        # A leftover trials.parquet from a crash before the marker was never visible: replace it.
+        self.write_object(f"{folder}/trials.parquet", data)
+        marker = {
+            "format": STORE_FORMAT,
+            "step": step,
+            "policy_version": policy_version,
+            "num_trials": table.num_rows,
+            "sha256": digest,
+            "size": len(data),
+            "schema_version": SCHEMA_VERSION,
+            "created_at": self._clock().astimezone(UTC).isoformat(),
+            "meta": meta_json,
+        }
+        self.write_object(f"{folder}/COMMIT.json", _json_bytes(marker))
+        return self._ref(step, marker)
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a commit marker, ascending."""
+        steps = []
+        for path in self._glob("batches/step-*/COMMIT.json"):
+            match = _STEP_DIR_RE.fullmatch(posixpath.basename(posixpath.dirname(path)))
+            if match:
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def batch_ref(self, step: int) -> BatchRef:
+        """The commit marker of step `step`; StoreError if the step is not committed."""
+        relative = f"batches/{_step_dir(step)}/COMMIT.json"
+        marker = self._get_json(relative)
+        if marker is None:
+            raise StoreError(
+                f"step {step} has no committed batch ({self.url(relative)} does not exist); "
+                f"committed steps: {self.committed_steps() or 'none'}"
+            )
+        return self._ref(step, marker)
+
+    def read_batch_table(self, step: int) -> tuple[BatchRef, pa.Table]:
+        """Step `step`'s trials as an Arrow table, checksum and schema version verified (for the UI)."""
+        ref = self.batch_ref(step)
+        return ref, self._read_table(ref)
+
+    def read_batch(self, step: int) -> Batch:
+        """Step `step`'s committed trial records, checksum and schema version verified."""
+        ref, table = self.read_batch_table(step)
+        return Batch(ref=ref, trials=trials_from_table(table))
+
+    def _ref(self, step: int, marker: dict[str, Any]) -> BatchRef:
+        where = self.url(f"batches/{_step_dir(step)}/COMMIT.json")
+        self._check_format(marker, where)
+        if marker.get("schema_version") != SCHEMA_VERSION:
+            raise StoreError(
+                f"{where}: the batch was written with trajectory schema version "
+                f"{marker.get('schema_version')!r}; this legorl reads version {SCHEMA_VERSION} — "
+                "upgrade legorl or convert the run store"
+            )
+        try:
+            ref = BatchRef(
+                step=int(marker["step"]),
+                policy_version=str(marker["policy_version"]),
+                num_trials=int(marker["num_trials"]),
+                sha256=str(marker["sha256"]),
+                size=int(marker["size"]),
+                created_at=str(marker["created_at"]),
+                meta=dict(marker["meta"]),
+                path=self.url(f"batches/{_step_dir(step)}/trials.parquet"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"{where} lacks or mangles a field ({exc!r}); the store is damaged") from exc
+        if ref.step != step:
+            raise StoreError(f"{where} says step {ref.step}; the store is damaged")
+        return ref
+
+    def _read_table(self, ref: BatchRef) -> pa.Table:
+        relative = f"batches/{_step_dir(ref.step)}/trials.parquet"
+        data = self._get(relative)
+        if data is None:
+            raise StoreError(f"step {ref.step} is committed but {ref.path} is missing; the store is damaged")
+        digest = _sha256(data)
+        if digest != ref.sha256:
+            raise StoreError(
+                f"{ref.path} fails its checksum: sha256 {digest}, COMMIT.json says {ref.sha256} "
+                f"({len(data)} bytes, expected {ref.size}); the file was changed or truncated after "
+                "the commit — restore it from a backup or drop the run store"
+            )
+        table = pq.read_table(pa.BufferReader(data))
+        try:
+            check_schema(table, TRIAL_SCHEMA)
+        except SchemaVersionError as exc:
+            raise StoreError(f"{ref.path}: {exc}") from exc
+        if table.num_rows != ref.num_trials:
+            raise StoreError(f"{ref.path} holds {table.num_rows} trials, COMMIT.json says {ref.num_trials}")
+        return table
+
+    # --- published weights ---------------------------------------------------------------------
+    def weights_path(self, version: str) -> str:
+        """URL of the folder the weights of `version` go into, ending in `/`."""
+        parse_policy_version(version)
+        return self.url(f"weights/{version}/")
+
+    def record_weights(self, version: str, step: int, sha256: str) -> PublishedWeights:
+        """Publish `version`: write its PUBLISHED.json after its weight files are in place.
+
+        Recording the same version with the same digest again is a no-op; another digest
+        raises StoreError (the fleet may already serve the first)."""
+        if parse_policy_version(version) != step:
+            raise StoreError(
+                f"version {version!r} does not belong to step {step}: the weights after step "
+                f"{step} are {policy_version(step)!r}"
+            )
+        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            raise ValueError(f"sha256 must be 64 lowercase hex digits, got {sha256!r}")
+        existing = self.read_published(version)
+        if existing is not None:
+            if existing.sha256 != sha256:
+                raise StoreError(
+                    f"{version} is already published with sha256 {existing.sha256}, not {sha256}; "
+                    "published weights are never replaced — publish under the next version"
+                )
+            return existing
+        folder = self.fs_path(f"weights/{version}")
+        self.fs.invalidate_cache(folder)
+        try:
+            listed = self.fs.ls(folder, detail=False)
+        except FileNotFoundError:
+            listed = []
+        files = sorted(
+            name
+            for name in (posixpath.basename(str(p).rstrip("/")) for p in listed)
+            if name != "PUBLISHED.json" and not name.startswith(".")
+        )
+        if not files:
+            raise StoreError(
+                f"{self.weights_path(version)} holds no files: write the weights there before "
+                "recording them as published"
+            )
+        marker = {
+            "format": STORE_FORMAT,
+            "version": version,
+            "step": step,
+            "sha256": sha256,
+            "files": files,
+            "published_at": self._clock().astimezone(UTC).isoformat(),
+        }
+        self.write_object(f"weights/{version}/PUBLISHED.json", _json_bytes(marker))
+        return self._published(version, marker)
+
+    def read_published(self, version: str) -> PublishedWeights | None:
+        """The publication record of `version`, or None if it is not published (yet)."""
+        parse_policy_version(version)
+        marker = self._get_json(f"weights/{version}/PUBLISHED.json")
+        return None if marker is None else self._published(version, marker)
+
+    def _published(self, version: str, marker: dict[str, Any]) -> PublishedWeights:
+        where = self.url(f"weights/{version}/PUBLISHED.json")
+        self._check_format(marker, where)
+        try:
+            published = PublishedWeights(
+                version=str(marker["version"]),
+                step=int(marker["step"]),
+                sha256=str(marker["sha256"]),
+                files=[str(f) for f in marker["files"]],
+                published_at=str(marker["published_at"]),
+                path=self.weights_path(version),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"{where} lacks or mangles a field ({exc!r}); the store is damaged") from exc
+        if published.version != version:
+            raise StoreError(f"{where} names version {published.version!r}; the store is damaged")
+        return published
+
+    def published_versions(self) -> list[str]:
+        """Published policy versions, oldest first."""
+        steps = []
+        for path in self._glob("weights/*/PUBLISHED.json"):
+            name = posixpath.basename(posixpath.dirname(path))
+            if _VERSION_RE.fullmatch(name):
+                steps.append(parse_policy_version(name))
+        return [policy_version(s) for s in sorted(steps)]
+
+    def latest_weights(self) -> str | None:
+        """The folder of the newest published version, or None when nothing is published."""
+        versions = self.published_versions()
+        return self.weights_path(versions[-1]) if versions else None
+
+    # --- the run's manifest ----------------------------------------------------------------------
+    def write_run_spec(self, body: Mapping[str, Any]) -> None:
+        """Record the RLRun this store belongs to (`run.json`), so processes can start from the store."""
+        self.write_object("run.json", _json_bytes(dict(body)))
+
+    def read_run_spec(self) -> dict[str, Any] | None:
+        """The recorded RLRun (as JSON), or None before one was written."""
+        return self._get_json("run.json")
+
+    # --- trainer metrics and state -------------------------------------------------------------
+    def write_metrics(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
+        """Write the trainer's figures of `step` as one JSON object (replacing a previous write).
+
+        NaN and infinities are written as null: JSON has no such numbers."""
+        record: dict[str, MetricValue] = {"step": step}
+        for key, given in metrics.items():
+            value = given
+            if not isinstance(key, str):
+                raise TypeError(f"metric names are strings, got {key!r}")
+            if value is not None and not isinstance(value, (int, float, str)):
+                raise TypeError(
+                    f"metric {key!r} is a {type(value).__name__}; metrics are numbers, strings or None"
+                )
+            if isinstance(value, float) and not math.isfinite(value):
+                value = None
+            if key == "step" and value != step:
+                raise ValueError(f"metrics of step {step} carry step={value!r}")
+            record[key] = value
+        self.write_object(f"metrics/trainer/{_step_dir(step)}.json", _json_bytes(record))
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """Every step's trainer metrics, by step."""
+        paths = self._glob("metrics/trainer/step-*.json")
+        if not paths:
+            return []
+        records = []
+        for path, data in self.fs.cat(paths, on_error="omit").items():
+            try:
+                obj = json.loads(data)
+            except ValueError as exc:
+                raise StoreError(f"{path} is not valid JSON ({exc}); the store is damaged") from exc
+            records.append(obj)
+        return sorted(records, key=lambda r: int(r["step"]))
+
+    def write_trainer_state(self, state: Mapping[str, Any]) -> None:
+        """Replace the trainer's resume pointer (last completed step, policy version, checkpoint)."""
+        self.write_object("trainer/state.json", _json_bytes(dict(state)))
+
+    def read_trainer_state(self) -> dict[str, Any] | None:
+        """The trainer's resume pointer, or None before the trainer wrote one."""
+        return self._get_json("trainer/state.json")

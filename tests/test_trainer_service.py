@@ -1,0 +1,230 @@
+"""The trainer process end to end on CPU: committed batches in the run store → steps → published weights,
+metrics and checkpoints; resume after a stop gives the same next-step loss; `legorl train` from a manifest.
+
+Real megatron-core on CPU and a real run store on disk. Batches are sampled from the policy itself with
+routing recorded (vLLM's CPU build cannot record routing; the vLLM path is in test_trainer_sync_e2e.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from legorl.api.store import RunStore
+from legorl.api.termination import TerminationReason
+from legorl.api.trajectory import TrialRecord
+from legorl.trainer.settings import SettingsError, TrainerSettings
+from legorl.trainer.tiny import make_tiny_model
+
+pytestmark = [pytest.mark.slow]
+
+PROMPTS = [[11, 42, 7, 300], [5, 900, 17]]
+GROUP = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-moe"))
+
+
+@pytest.fixture(scope="module")
+def batches(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[TrialRecord]]:
+    """Three steps of trials sampled from the initial policy (with routing), rewarded by token parity."""
+    from legorl.trainer.sampling import sample, to_trial  # noqa: PLC0415
+    from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
+
+    settings = TrainerSettings(
+        run="svc", store_uri=str(tmp_path_factory.mktemp("scratch")), checkpoint_dir=tiny, device="cpu"
+    )
+    trainer = PolicyTrainer(settings)
+    gen = torch.Generator().manual_seed(99)
+    out = []
+    for step in (1, 2, 3):
+        samples = sample(
+            trainer.model,
+            trainer.arch,
+            [p for p in PROMPTS for _ in range(GROUP)],
+            max_new_tokens=6,
+            generator=gen,
+            record_routing=True,
+        )
+        trials = [
+            to_trial(
+                s,
+                run="svc",
+                trial=f"s{step}-t{i}",
+                group_id=f"s{step}-g{i // GROUP}",
+                reward=sum(t % 2 == 0 for t in s.token_ids[s.prompt_length :]) / 6,
+                step=step,
+                policy_version=f"v{step - 1}",
+            )
+            for i, s in enumerate(samples)
+        ]
+        # One infra failure per batch: it must be dropped from the loss and counted.
+        broken = trials[0]
+        trials[0] = TrialRecord(
+            **{**broken.__dict__, "termination_reason": TerminationReason.SANDBOX_ERROR, "reward": None}
+        )
+        out.append(trials)
+    return out
+
+
+def make_settings(tiny: Path, store: Path, **extra: object) -> TrainerSettings:
+    base: dict[str, object] = {
+        "run": "svc",
+        "store_uri": str(store),
+        "checkpoint_dir": tiny,
+        "device": "cpu",
+        "learning_rate": 1e-3,
+        "drop_reasons": frozenset({TerminationReason.SANDBOX_ERROR}),
+        "max_staleness": 0,
+        "checkpoint_interval": 1,
+        "checkpoint_keep": 2,
+        "max_steps": 3,
+    }
+    base.update(extra)
+    return TrainerSettings(**base)
+
+
+def commit(store: RunStore, batches: list[list[TrialRecord]], steps: range) -> None:
+    for step in steps:
+        store.commit_batch(step, batches[step - 1], policy_version=f"v{step - 1}")
+
+
+def test_service_trains_publishes_and_records(
+    tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]
+) -> None:
+    from legorl.trainer.service import TrainingService  # noqa: PLC0415
+    from legorl.trainer.weight_sync import read_published  # noqa: PLC0415
+
+    store = RunStore(str(tmp_path / "store"))
+    commit(store, batches, range(1, 3))
+    service = TrainingService(make_settings(tiny, tmp_path / "store"), store=store)
+    # Only steps 1 and 2 are committed: without waiting, the service stops there.
+    assert service.run(wait=False) == [1, 2]
+    assert store.published_versions() == ["v1", "v2"]
+    published = read_published(store.local_path(store.weights_path("v2")))  # type: ignore[arg-type]
+    assert published.version == "v2"
+    metrics = store.read_metrics()
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["trials_total"] == len(batches[0])
+        assert m["dropped_by_reason.sandbox_error"] == 1
+        assert m["replayed_token_share"] == 1.0
+        assert math.isfinite(m["loss"]) and m["grad_norm"] > 0
+    # Every batch was sampled by the initial policy: step 1 trains on-policy, so rollout and training
+    # probabilities agree; step 2's trainer is already v1, and the fidelity figure shows the gap.
+    assert metrics[0]["fidelity_pearson"] > 0.9999
+    assert metrics[1]["fidelity_pearson"] < 0.999
+    state = store.read_trainer_state()
+    assert state is not None and state["step"] == 2 and state["policy_version"] == "v2"
+    # Two checkpoints kept (interval 1, keep 2).
+    assert [c.step for c in service.checkpoints.list()] == [1, 2]
+
+
+def test_published_weights_are_the_trained_policy(
+    tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]
+) -> None:
+    """The safetensors of v1 loaded into a fresh trainer score exactly like the trainer that made them."""
+    from legorl.trainer import data  # noqa: PLC0415
+    from legorl.trainer.service import TrainingService  # noqa: PLC0415
+    from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
+
+    store = RunStore(str(tmp_path / "store"))
+    commit(store, batches, range(1, 2))
+    service = TrainingService(make_settings(tiny, tmp_path / "store"), store=store)
+    service.run(wait=False)
+    seqs = data.sequences_from_trials(batches[1][1:], {t.trial: 0.0 for t in batches[1][1:]})
+    mine = service.trainer.score(service.trainer._pack(seqs)).train_logprobs
+    v1 = store.local_path(store.weights_path("v1"))
+    fresh = PolicyTrainer(make_settings(v1, tmp_path / "other"))  # type: ignore[arg-type]
+    theirs = fresh.score(fresh._pack(seqs)).train_logprobs
+    v0 = PolicyTrainer(make_settings(tiny, tmp_path / "other")).score(fresh._pack(seqs)).train_logprobs
+    assert torch.equal(mine, theirs)
+    assert (mine - v0).abs().max() > 1e-3  # the update changed the policy
+
+
+def test_resume_gives_the_same_next_step(
+    tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]
+) -> None:
+    """Stopped after step 2 (checkpoint at 1, v2 already published), resumed: step 3 is identical."""
+    from legorl.trainer.service import TrainingService  # noqa: PLC0415
+
+    straight_store = RunStore(str(tmp_path / "straight"))
+    commit(straight_store, batches, range(1, 4))
+    straight = TrainingService(make_settings(tiny, tmp_path / "straight"), store=straight_store)
+    straight.run(wait=False)
+    want = straight_store.read_metrics()[2]
+
+    store = RunStore(str(tmp_path / "resumed"))
+    commit(store, batches, range(1, 4))
+    first = TrainingService(make_settings(tiny, tmp_path / "resumed", checkpoint_interval=1), store=store)
+    first.run_step(1)
+    first.settings = first.settings.model_copy(update={"checkpoint_interval": 100})
+    first.run_step(2)  # published, but its checkpoint is never written: a crash right after the sync
+    assert [c.step for c in first.checkpoints.list()] == [1]
+    del first
+
+    second = TrainingService(make_settings(tiny, tmp_path / "resumed"), store=store)
+    assert second.resumed_from == 1
+    assert second.trainer.step == 2  # step 2 re-trained from its batch, not published again
+    assert store.published_versions() == ["v1", "v2"]
+    assert second.run(wait=False) == [3]
+    got = store.read_metrics()[2]
+    assert got["step"] == 3
+    for key in ("loss", "grad_norm", "fidelity_pearson", "entropy", "clip_fraction"):
+        assert got[key] == want[key], key
+
+
+def test_settings_refuse_unsupported_layouts(tiny: Path, tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="miniBatches"):
+        make_settings(tiny, tmp_path, mini_batches=2).check_supported()
+    with pytest.raises(SettingsError, match="pipeline"):
+        make_settings(tiny, tmp_path, pipeline_parallel=2).check_supported()
+
+
+def test_legorl_train_from_a_manifest(tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]) -> None:
+    from legorl.cli.main import main  # noqa: PLC0415
+
+    manifest = yaml.safe_load((Path(__file__).parents[1] / "examples" / "tiny-local.yaml").read_text())
+    manifest["spec"]["policy"]["checkpoint"]["uri"] = f"file://{tiny}"
+    manifest["spec"]["stop"]["maxSteps"] = 1
+    manifest["spec"]["filter"] = {"dropReasons": ["sandbox_error"]}
+    spec_file = tmp_path / "run.yaml"
+    spec_file.write_text(yaml.safe_dump(manifest))
+    store = RunStore(str(tmp_path / "store"))
+    commit(store, batches, range(1, 2))
+    rc = main(
+        [
+            "train",
+            "--spec",
+            str(spec_file),
+            "--store",
+            str(tmp_path / "store"),
+            "--no-wait",
+            "--device",
+            "cpu",
+        ]
+    )
+    assert rc == 0
+    assert store.published_versions() == ["v1"]
+    assert store.read_run_spec() is not None
+    assert json.loads(json.dumps(store.read_metrics()))[0]["step"] == 1
+
+
+def test_legorl_train_rejects_a_bad_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from legorl.cli.main import main  # noqa: PLC0415
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "apiVersion: legorl.dev/v1alpha1\nkind: RLRun\nmetadata: {name: x}\n"
+        "spec: {algorithm: {groupSize: 0}}\n"
+    )
+    assert main(["train", "--spec", str(bad), "--store", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert "legorl train:" in err and "invalid RLRun" in err

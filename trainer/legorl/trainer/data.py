@@ -1,0 +1,382 @@
+"""From committed trial records to packed micro-batches: filter, advantages, sequences, packing.
+
+The order a training step follows:
+
+    kept = filter_trials(batch.trials, ...).kept           # reasons, staleness, empty, zero variance
+    adv = trial_advantages(kept, mode)                     # GRPO group baseline per trial
+    seqs = sequences_from_trials(kept, adv)                # one TrainSequence per segment
+    micro = pack_micro_batches(seqs, max_tokens)           # right-padded [B, S] tensors
+
+The shift: a sequence of n tokens t_0..t_{n-1} is fed as `input_ids` = t_0..t_{n-2} and scored
+against `targets` = t_1..t_{n-1}. Position p of a micro-batch row predicts token p+1 of the
+segment, so the loss mask, behaviour log-prob and advantage of token i sit at position i−1.
+Token 0 is never predicted (it has no context); the routing rows of the engine (one per token
+but the last) line up with `input_ids` one-to-one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from legorl.api.store import parse_policy_version
+from legorl.api.termination import TerminationReason
+from legorl.api.trajectory import TrajectoryError, TrialRecord
+from legorl.trainer.loss import AdvantageMode, group_advantages
+
+__all__ = [
+    "DataError",
+    "FilterResult",
+    "GroupStats",
+    "MicroBatch",
+    "TrainSequence",
+    "filter_trials",
+    "group_stats",
+    "oldest_policy_version",
+    "pack_micro_batches",
+    "sequences_from_trials",
+    "trial_advantages",
+]
+
+
+class DataError(ValueError):
+    """A batch cannot be turned into training data as it is (contract broken, settings inconsistent)."""
+
+
+# --- filtering ---------------------------------------------------------------------------------
+
+
+def oldest_policy_version(trial: TrialRecord) -> int | None:
+    """The oldest policy version (as a step) the trial saw, over the trial and its segments."""
+    names = set(trial.policy_versions)
+    for seg in trial.segments:
+        names.update(seg.policy_versions)
+    if not names:
+        return None
+    try:
+        return min(parse_policy_version(name) for name in names)
+    except ValueError as exc:
+        raise DataError(f"trial {trial.trial}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """The rewards of one group's trials."""
+
+    size: int
+    mean: float
+    std: float
+    """Sample standard deviation (0 for a group of one)."""
+    zero_variance: bool
+    """All rewards equal (a group of one included): no GRPO signal."""
+
+
+def group_stats(trials: Sequence[TrialRecord]) -> dict[str, GroupStats]:
+    """Reward statistics per group id, in first-seen order; every trial must have a reward."""
+    rewards: dict[str, list[float]] = {}
+    for trial in trials:
+        if trial.reward is None:
+            raise DataError(f"trial {trial.trial} has no reward; group statistics need one per trial")
+        rewards.setdefault(trial.group_id, []).append(trial.reward)
+    stats = {}
+    for group, values in rewards.items():
+        mean = sum(values) / len(values)
+        var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+        stats[group] = GroupStats(
+            size=len(values), mean=mean, std=math.sqrt(var), zero_variance=len(set(values)) == 1
+        )
+    return stats
+
+
+@dataclass
+class FilterResult:
+    """The trials that enter the loss and what was dropped, by cause."""
+
+    kept: list[TrialRecord]
+    """The trials that enter the loss, in their original order."""
+    dropped_by_reason: dict[TerminationReason, int] = field(default_factory=dict)
+    """Trials dropped for their termination reason (e.g. infra failures)."""
+    dropped_stale: int = 0
+    """Trials that saw a policy version older than allowed."""
+    dropped_empty: int = 0
+    """Trials without a segment (no model call, nothing to train on)."""
+    zero_variance_groups: int = 0
+    """Groups whose kept trials all had the same reward (counted whether dropped or kept)."""
+    dropped_zero_variance: int = 0
+    """Trials dropped because their group had zero variance."""
+    max_staleness_seen: int = 0
+    """Largest staleness among the trials that passed the reason filter."""
+
+    @property
+    def dropped(self) -> int:
+        return (
+            sum(self.dropped_by_reason.values())
+            + self.dropped_stale
+            + self.dropped_empty
+            + self.dropped_zero_variance
+        )
+
+
+def filter_trials(
+    trials: Sequence[TrialRecord],
+    *,
+    drop_reasons: set[TerminationReason] | frozenset[TerminationReason],
+    current_version: int,
+    max_staleness: int | None,
+    drop_zero_variance_groups: bool = True,
+) -> FilterResult:
+    """Select the trials a training step learns from (DESIGN §5), in their original order.
+
+    In order: trials whose termination reason is in `drop_reasons` are dropped (default
+    RLRun: the infra reasons; agent outcomes stay and are trained with their reward). A
+    remaining trial without a finite reward is an error, not a silent drop: the run
+    controller scores every agent outcome, and quietly losing e.g. all timeouts would bias
+    the batch towards successes — either score it or add its reason to `dropReasons`. Then
+    trials more than `max_staleness` versions behind are dropped (staleness =
+    `current_version` − the oldest version the trial saw; None disables this), and trials
+    without segments. Last, groups whose kept trials all got the same reward (including a
+    group left with one trial) are counted and, with `drop_zero_variance_groups` (RLRun
+    `filter.zeroVarianceGroups: Drop`), dropped: their advantages are all 0.
+    """
+    result = FilterResult(kept=[])
+    by_reason: Counter[TerminationReason] = Counter()
+    candidates: list[TrialRecord] = []
+    for trial in trials:
+        if trial.termination_reason in drop_reasons:
+            by_reason[trial.termination_reason] += 1
+            continue
+        if trial.reward is None or not math.isfinite(trial.reward):
+            raise DataError(
+                f"trial {trial.trial} ended as {trial.termination_reason.value} with reward "
+                f"{trial.reward!r}, and that reason is trained on: score such trials in the run "
+                f"controller or add {trial.termination_reason.value!r} to filter.dropReasons"
+            )
+        oldest = oldest_policy_version(trial)
+        if oldest is not None:
+            staleness = current_version - oldest
+            if staleness < 0:
+                raise DataError(
+                    f"trial {trial.trial} saw policy version v{oldest}, newer than the trainer's "
+                    f"current v{current_version}: the trainer resumed from an older state than "
+                    "the fleet serves"
+                )
+            result.max_staleness_seen = max(result.max_staleness_seen, staleness)
+            if max_staleness is not None and staleness > max_staleness:
+                result.dropped_stale += 1
+                continue
+        if not trial.segments:
+            result.dropped_empty += 1
+            continue
+        candidates.append(trial)
+    result.dropped_by_reason = dict(by_reason)
+
+    stats = group_stats(candidates)
+    flat = {group for group, s in stats.items() if s.zero_variance}
+    result.zero_variance_groups = len(flat)
+    if drop_zero_variance_groups:
+        result.kept = [t for t in candidates if t.group_id not in flat]
+        result.dropped_zero_variance = len(candidates) - len(result.kept)
+    else:
+        result.kept = candidates
+    return result
+
+
+def trial_advantages(
+    trials: Sequence[TrialRecord], mode: AdvantageMode, eps: float = 1e-6
+) -> dict[str, float]:
+    """Each trial's group-relative advantage (see `loss.group_advantages`), by trial id."""
+    if not trials:
+        return {}
+    ids = [t.trial for t in trials]
+    if len(set(ids)) != len(ids):
+        raise DataError("trial ids repeat within the batch; advantages are keyed by trial id")
+    rewards = []
+    for t in trials:
+        if t.reward is None:
+            raise DataError(f"trial {t.trial} has no reward; filter it out before computing advantages")
+        rewards.append(t.reward)
+    adv = group_advantages(
+        torch.tensor(rewards, dtype=torch.float64), [t.group_id for t in trials], mode, eps=eps
+    )
+    return dict(zip(ids, adv.tolist(), strict=True))
+
+
+# --- sequences ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainSequence:
+    """One segment of one trial, ready for the trainer (all aligned to `token_ids`)."""
+
+    token_ids: torch.Tensor
+    """Long [n]."""
+    loss_mask: torch.Tensor
+    """Bool [n]: token i was sampled by the policy (never token 0)."""
+    behavior_logprobs: torch.Tensor
+    """Float32 [n]: the engine's log-prob of token i (0 where not sampled)."""
+    advantage: float
+    """The trial's advantage, shared by all of its tokens."""
+    routed_experts: np.ndarray | None
+    """Uint16 (n−1, layers, top_k) in the engine's layout: row i routed token i; None without capture."""
+    trial_id: str
+    group_id: str
+    segment_index: int
+    policy_versions: tuple[str, ...]
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def sequences_from_trials(
+    trials: Sequence[TrialRecord], advantages: Mapping[str, float]
+) -> list[TrainSequence]:
+    """One TrainSequence per segment that has a trained token, in trial then segment order.
+
+    Segments are checked against the contract; a segment whose first token is marked as
+    sampled breaks it (token 0 has no context to be predicted from). Segments without a
+    sampled token are skipped: they would cost compute and add nothing to the loss.
+    """
+    seqs: list[TrainSequence] = []
+    for trial in trials:
+        if trial.trial not in advantages:
+            raise DataError(f"trial {trial.trial} has no advantage; compute advantages on the kept trials")
+        advantage = float(advantages[trial.trial])
+        if not math.isfinite(advantage):
+            raise DataError(f"trial {trial.trial} has advantage {advantage}")
+        for seg in trial.segments:
+            where = f"trial {trial.trial} segment {seg.index}"
+            try:
+                seg.check()
+            except TrajectoryError as exc:
+                raise DataError(f"trial {trial.trial}: {exc}") from exc
+            if not any(seg.loss_mask):
+                continue
+            if seg.loss_mask[0]:
+                raise DataError(f"{where}: token 0 is marked as sampled, but nothing precedes it")
+            routing = None
+            if seg.routed_experts is not None and seg.routed_experts_shape is not None:
+                routing = np.asarray(seg.routed_experts, dtype=np.uint16).reshape(seg.routed_experts_shape)
+            seqs.append(
+                TrainSequence(
+                    token_ids=torch.tensor(seg.token_ids, dtype=torch.long),
+                    loss_mask=torch.tensor(seg.loss_mask, dtype=torch.bool),
+                    behavior_logprobs=torch.tensor(seg.behavior_logprobs, dtype=torch.float32),
+                    advantage=advantage,
+                    routed_experts=routing,
+                    trial_id=trial.trial,
+                    group_id=trial.group_id,
+                    segment_index=seg.index,
+                    policy_versions=tuple(seg.policy_versions),
+                )
+            )
+    return seqs
+
+
+# --- packing -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Right-padded rows [B, S]; position p of a row predicts the row's token p+1.
+
+    S is the longest row's input length; padding positions have input and target 0 and
+    mask, behaviour log-prob and advantage 0.
+    """
+
+    input_ids: torch.Tensor
+    """Long [B, S]: tokens[:-1] of each sequence."""
+    targets: torch.Tensor
+    """Long [B, S]: tokens[1:] of each sequence."""
+    lengths: torch.Tensor
+    """Long [B]: n−1 per row (real positions; the rest is padding)."""
+    loss_mask: torch.Tensor
+    """Float32 [B, S]: 1 where the target token is trained on."""
+    behavior_logprobs: torch.Tensor
+    """Float32 [B, S]: the engine's log-prob of each target token."""
+    advantages: torch.Tensor
+    """Float32 [B, S]: the row's advantage at every real position, 0 on padding."""
+    seq_index: torch.Tensor
+    """Long [B]: index of each row in the list given to `pack_micro_batches`."""
+    routing: list[np.ndarray | None]
+    """Per row, its sequence's routed experts (n−1, layers, top_k) unchanged (row i ↔ input position i)."""
+    num_loss_tokens: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.input_ids.shape[0]), int(self.input_ids.shape[1])
+
+    @property
+    def num_tokens(self) -> int:
+        """B·S: positions the forward pass computes, padding included."""
+        batch, seq = self.shape
+        return batch * seq
+
+
+def pack_micro_batches(seqs: Sequence[TrainSequence], max_tokens: int) -> list[MicroBatch]:
+    """Pack sequences into micro-batches of B·S ≤ `max_tokens` positions, with S the longest row.
+
+    Longest first (ties keep their input order), each micro-batch takes sequences while the
+    padded size stays within budget — deterministic, and little padding since rows of a batch
+    have similar lengths. A sequence longer than `max_tokens` on its own gets a micro-batch
+    of its own (B = 1) rather than failing a run over one long trajectory; the model's context
+    length already bounds it, and `MicroBatch.num_tokens` shows the overshoot.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    for i, seq in enumerate(seqs):
+        if seq.length < 2:
+            raise DataError(f"sequence {i} ({seq.trial_id}) has {seq.length} token(s); it needs 2 to train")
+    order = sorted(range(len(seqs)), key=lambda i: (-seqs[i].length, i))
+    batches: list[list[int]] = []
+    for i in order:
+        width = seqs[i].length - 1
+        if batches:
+            current = batches[-1]
+            longest = seqs[current[0]].length - 1
+            if (len(current) + 1) * max(longest, width) <= max_tokens:
+                current.append(i)
+                continue
+        batches.append([i])
+    return [_collate(seqs, rows) for rows in batches]
+
+
+def _collate(seqs: Sequence[TrainSequence], rows: list[int]) -> MicroBatch:
+    width = max(seqs[i].length for i in rows) - 1
+    batch = len(rows)
+    input_ids = torch.zeros(batch, width, dtype=torch.long)
+    targets = torch.zeros(batch, width, dtype=torch.long)
+    loss_mask = torch.zeros(batch, width, dtype=torch.float32)
+    behavior = torch.zeros(batch, width, dtype=torch.float32)
+    advantages = torch.zeros(batch, width, dtype=torch.float32)
+    lengths = torch.zeros(batch, dtype=torch.long)
+    for row, i in enumerate(rows):
+        seq = seqs[i]
+        n = seq.length - 1
+        lengths[row] = n
+        input_ids[row, :n] = seq.token_ids[:-1]
+        targets[row, :n] = seq.token_ids[1:]
+        mask = seq.loss_mask[1:].to(torch.float32)
+        loss_mask[row, :n] = mask
+        behavior[row, :n] = seq.behavior_logprobs[1:]
+        advantages[row, :n] = seq.advantage
+    return MicroBatch(
+        input_ids=input_ids,
+        targets=targets,
+        lengths=lengths,
+        loss_mask=loss_mask,
+        behavior_logprobs=behavior,
+        advantages=advantages,
+        seq_index=torch.tensor(rows, dtype=torch.long),
+        routing=[seqs[i].routed_experts for i in rows],
+        num_loss_tokens=int(loss_mask.sum()),
+    )

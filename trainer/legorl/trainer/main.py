@@ -1,0 +1,158 @@
+"""`legorl train` / `python -m legorl.trainer`: parse and validate everything, then import torch and train.
+
+The RLRun comes from `--spec FILE` (a manifest, the same one `kubectl apply` takes) or, in a trainer pod,
+from `<store>/run.json` written by the run controller. Arguments and the manifest are checked before torch,
+megatron or vLLM are imported, so a wrong flag fails in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+TINY_MOE = "builtin://tiny-moe"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="legorl train",
+        description=(
+            "Train the RLRun's policy from the batches its run controller commits to the run store: "
+            "one optimizer step per committed batch, then publish the weights as the next policy "
+            "version and load them into the fleet."
+        ),
+    )
+    p.add_argument("--spec", type=Path, help="RLRun manifest (default: <store>/run.json)")
+    p.add_argument("--run", help="RLRun name (checked against the manifest; pods pass it)")
+    p.add_argument(
+        "--store",
+        default=os.environ.get("LEGORL_STORE_URI"),
+        help="run store URI (default: $LEGORL_STORE_URI, else the manifest's spec.store)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="local directory of the initial policy (Hugging Face layout); default: spec.policy.checkpoint "
+        "when it is file:// or builtin://tiny-moe",
+    )
+    p.add_argument(
+        "--fleet-url",
+        action="append",
+        default=[u for u in os.environ.get("LEGORL_FLEET_URL", "").split(",") if u],
+        help="engine base URL to load new weights into (repeat per replica; default: $LEGORL_FLEET_URL)",
+    )
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--steps", type=int, help="stop after this step (default: the run's stop.maxSteps)")
+    p.add_argument("--no-wait", action="store_true", help="exit when no further batch is committed")
+    p.add_argument("--poll-seconds", type=float, default=2.0, help="how often to look for a new batch")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def resolve_checkpoint(uri: str, cache: Path) -> Path:
+    """A local directory for the policy checkpoint URI, making the builtin tiny model when asked."""
+    if uri == TINY_MOE:
+        target = cache / "tiny-moe"
+        if not (target / "config.json").is_file():
+            from legorl.trainer.tiny import make_tiny_model  # noqa: PLC0415
+
+            make_tiny_model(target)
+        return target
+    if uri.startswith("file://"):
+        return Path(uri.removeprefix("file://"))
+    raise ValueError(
+        f"policy.checkpoint {uri!r}: the trainer reads the initial policy from a local directory; "
+        "pass --checkpoint-dir (on a cluster the trainer pod mounts it) or use file:// or builtin://tiny-moe"
+    )
+
+
+def _load_run(args: argparse.Namespace) -> Any:
+    from legorl.api.kinds import RLRun  # noqa: PLC0415
+    from legorl.manifests import validate_paths  # noqa: PLC0415
+
+    if args.spec is not None:
+        reports, load_errors = validate_paths([args.spec])
+        if load_errors:
+            raise ValueError("; ".join(load_errors))
+        runs = [
+            r for r in reports if isinstance(r.document.body, dict) and r.document.body.get("kind") == "RLRun"
+        ]
+        if len(runs) != 1:
+            raise ValueError(f"{args.spec}: expected exactly one RLRun, found {len(runs)}")
+        bad = [p.format(runs[0].document.label) for p in runs[0].problems if p.severity == "error"]
+        if bad:
+            raise ValueError("invalid RLRun (see `legorl validate`):\n" + "\n".join(bad))
+        return RLRun.model_validate(runs[0].document.body)
+    if not args.store:
+        raise ValueError("give --spec FILE, or --store URI holding the run controller's run.json")
+    from legorl.api.store import RunStore  # noqa: PLC0415
+
+    body = RunStore(args.store).read_run_spec()
+    if body is None:
+        raise ValueError(f"{args.store}: no run.json yet; pass --spec FILE")
+    return RLRun.model_validate(body)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run = _load_run(args)
+        if args.run and args.run != run.metadata.name:
+            raise ValueError(f"--run {args.run} does not match the manifest's RLRun {run.metadata.name}")
+        store = args.store or (run.spec.store.uri if run.spec.store else f".legorl/runs/{run.metadata.name}")
+        if store.startswith("file://"):
+            store = store.removeprefix("file://")
+        checkpoint = args.checkpoint_dir or resolve_checkpoint(
+            run.spec.policy.checkpoint.uri, Path(store) / "cache" if "://" not in store else Path(".legorl")
+        )
+        from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
+
+        settings = TrainerSettings.from_run(
+            run,
+            store_uri=store,
+            checkpoint_dir=checkpoint,
+            fleet_urls=tuple(args.fleet_url),
+            device=args.device,
+        )
+        settings.check_supported()
+    except ValueError as exc:
+        print(f"legorl train: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        import torch  # noqa: F401, PLC0415
+    except ImportError as exc:
+        print(f"the trainer needs its extra: pip install 'legorl[trainer]' ({exc})", file=sys.stderr)
+        return EXIT_USAGE
+    from opentelemetry.sdk.metrics import MeterProvider  # noqa: PLC0415
+
+    from legorl.api.store import RunStore  # noqa: PLC0415
+    from legorl.trainer.service import TrainingService  # noqa: PLC0415
+    from legorl.trainer.telemetry import TrainerTelemetry  # noqa: PLC0415
+
+    store_obj = RunStore(settings.store_uri)
+    store_obj.write_run_spec(json.loads(run.model_dump_json(by_alias=True, exclude_none=True)))
+    service = TrainingService(
+        settings, store=store_obj, telemetry=TrainerTelemetry(MeterProvider(), run=settings.run)
+    )
+
+    def _stop(signum: int, _frame: FrameType | None) -> None:
+        logging.getLogger(__name__).info("signal %d: stopping after the current step", signum)
+        service.stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    if service.resumed_from is not None:
+        print(f"resumed at step {service.trainer.step} (checkpoint of step {service.resumed_from})")
+    done = service.run(max_steps=args.steps, wait=not args.no_wait, poll_seconds=args.poll_seconds)
+    print(f"trained {len(done)} step(s); policy version v{service.trainer.step}; store {settings.store_uri}")
+    return EXIT_OK

@@ -1,0 +1,541 @@
+"""The policy as a Megatron-core GPTModel: architecture from a HF config, distributed setup, build, forward.
+
+Qwen3-MoE (`qwen3_moe`) and dense Qwen3 (`qwen3`) map onto Megatron's local (non-Transformer-Engine)
+layer spec. The mapping that makes Megatron compute what transformers and vLLM compute (measured against
+transformers in tests/test_trainer_model.py; every item shifts logits by 1–40 when wrong):
+grouped-query attention with `num_query_groups = num_key_value_heads`; `kv_channels = head_dim` (Qwen3's
+head_dim is not hidden/heads in general); per-head RMSNorm on q and k (`qk_layernorm`); RMSNorm with the
+checkpoint's eps; SwiGLU (`gated_linear_unit` + SiLU) without biases; RoPE with the checkpoint's theta,
+not interleaved; an untied output layer unless the config ties it; router softmax with
+`moe_router_pre_softmax = not norm_topk_prob` (normalised top-k is a softmax over the top-k logits), no
+top-k scaling, no load-balancing loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from legorl.trainer import compat
+
+with compat.silence_import_warnings():
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+    )
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+__all__ = [
+    "GPTModel",
+    "ModelConfigError",
+    "MoeArchitecture",
+    "build_model",
+    "entropy",
+    "forward_logits",
+    "init_distributed",
+    "token_logprobs",
+    "unwrap",
+]
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3")
+Recompute = Literal["none", "selective", "full"]
+Dispatcher = Literal["allgather", "alltoall"]
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint's config.json describes something this trainer cannot build faithfully."""
+
+
+def _require(config: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in config or config[key] is None:
+        raise ModelConfigError(
+            f"{where}: config.json has no {key!r}; a {SUPPORTED_MODEL_TYPES} config needs it"
+        )
+    value = config[key]
+    # bool is an int in Python; a size given as true/false is a broken config, not 1/0.
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ModelConfigError(f"{where}: {key}={value!r} must be a number")
+    if not isinstance(value, kind):
+        raise ModelConfigError(f"{where}: {key}={value!r} has the wrong type (expected {kind})")
+    return value
+
+
+def _rope_theta(config: Mapping[str, Any], where: str) -> float:
+    """RoPE base from transformers 5's `rope_parameters` or the older top-level `rope_theta`."""
+    params = config.get("rope_parameters")
+    scaling = config.get("rope_scaling")
+    if params is not None and not isinstance(params, Mapping):
+        raise ModelConfigError(f"{where}: rope_parameters must be an object, got {params!r}")
+    for name, block in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if block is None:
+            continue
+        if not isinstance(block, Mapping):
+            raise ModelConfigError(f"{where}: {name} must be an object or null, got {block!r}")
+        rope_type = block.get("rope_type", block.get("type", "default"))
+        if rope_type != "default":
+            raise ModelConfigError(
+                f"{where}: {name}.rope_type={rope_type!r} is not supported; only plain RoPE "
+                "(rope_type 'default', no scaling) is implemented"
+            )
+        factor = block.get("partial_rotary_factor", 1.0)
+        if factor != 1.0:
+            raise ModelConfigError(
+                f"{where}: {name}.partial_rotary_factor={factor} is not supported (only 1.0)"
+            )
+    theta = (params or {}).get("rope_theta", config.get("rope_theta"))
+    if theta is None:
+        raise ModelConfigError(
+            f"{where}: config.json has no RoPE base: expected rope_parameters.rope_theta (transformers 5) "
+            "or rope_theta"
+        )
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise ModelConfigError(f"{where}: rope_theta={theta!r} must be a positive number")
+    return float(theta)
+
+
+@dataclass(frozen=True)
+class MoeArchitecture:
+    """The shape of a Qwen3(-MoE) model as read from its HF config.json (a dense model has no experts)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    """Width of the dense MLP (`intermediate_size`), used by dense models and `mlp_only_layers`."""
+    moe_ffn_hidden_size: int
+    """Width of one expert (`moe_intermediate_size`); 0 for a dense model."""
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    moe_layers: tuple[int, ...]
+    """Indices (0-based) of the decoder layers whose MLP is a mixture of experts, in order."""
+    model_type: str = "qwen3_moe"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and len(self.moe_layers) > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @classmethod
+    def from_hf(cls, source: str | os.PathLike[str] | Mapping[str, Any]) -> MoeArchitecture:
+        """Parse `<dir>/config.json`, a config.json path, or an already-loaded config dict."""
+        if isinstance(source, Mapping):
+            config: Mapping[str, Any] = source
+            where = "config"
+        else:
+            path = Path(source)
+            if path.is_dir():
+                path = path / "config.json"
+            where = str(path)
+            try:
+                config = json.loads(path.read_text())
+            except FileNotFoundError as exc:
+                raise ModelConfigError(f"{where}: not found; point at a HF checkpoint directory") from exc
+            except json.JSONDecodeError as exc:
+                raise ModelConfigError(f"{where}: not valid JSON: {exc}") from exc
+            if not isinstance(config, Mapping):
+                raise ModelConfigError(f"{where}: must hold a JSON object")
+        return cls._parse(config, where)
+
+    @classmethod
+    def _parse(cls, config: Mapping[str, Any], where: str) -> MoeArchitecture:
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"{where}: model_type={model_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3-MoE and dense Qwen3)"
+            )
+        for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+            if config.get(key):
+                raise ModelConfigError(
+                    f"{where}: {key}={config[key]!r}: shared experts are not supported "
+                    "(Qwen3-MoE has none; set it to 0 or null)"
+                )
+        if config.get("use_sliding_window"):
+            raise ModelConfigError(f"{where}: use_sliding_window=true is not supported (full attention only)")
+        if config.get("attention_bias"):
+            raise ModelConfigError(f"{where}: attention_bias=true is not supported (Qwen3 has no biases)")
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
+
+        hidden = _require(config, "hidden_size", int, where)
+        heads = _require(config, "num_attention_heads", int, where)
+        kv_heads = _require(config, "num_key_value_heads", int, where)
+        num_layers = _require(config, "num_hidden_layers", int, where)
+        # transformers' own default when a Qwen3 config leaves head_dim out.
+        head_dim = config.get("head_dim") or hidden // heads
+        if heads % kv_heads:
+            raise ModelConfigError(
+                f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+
+        if model_type == "qwen3_moe":
+            experts_key = "num_experts" if "num_experts" in config else "num_local_experts"
+            num_experts = _require(config, experts_key, int, where)
+            top_k = _require(config, "num_experts_per_tok", int, where)
+            moe_ffn = _require(config, "moe_intermediate_size", int, where)
+            norm_topk = _require(config, "norm_topk_prob", bool, where)
+            mlp_only = config.get("mlp_only_layers") or []
+            step = config.get("decoder_sparse_step", 1)
+            if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+                raise ModelConfigError(f"{where}: decoder_sparse_step={step!r} must be an integer >= 1")
+            if not isinstance(mlp_only, list) or not all(
+                isinstance(i, int) and 0 <= i < num_layers for i in mlp_only
+            ):
+                raise ModelConfigError(
+                    f"{where}: mlp_only_layers={mlp_only!r} must list layer indices in [0, {num_layers})"
+                )
+            # transformers' Qwen3MoeDecoderLayer rule.
+            moe_layers = tuple(
+                i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+            )
+            if num_experts < 1 or not 1 <= top_k <= num_experts:
+                raise ModelConfigError(
+                    f"{where}: num_experts_per_tok={top_k} must be between 1 and the number of experts "
+                    f"({num_experts})"
+                )
+        else:
+            num_experts, top_k, moe_ffn, norm_topk, moe_layers = 0, 0, 0, False, ()
+
+        return cls(
+            vocab_size=_require(config, "vocab_size", int, where),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=int(head_dim),
+            ffn_hidden_size=_require(config, "intermediate_size", int, where),
+            moe_ffn_hidden_size=moe_ffn,
+            num_experts=num_experts,
+            top_k=top_k,
+            norm_topk_prob=norm_topk,
+            rms_norm_eps=float(_require(config, "rms_norm_eps", (int, float), where)),
+            rope_theta=_rope_theta(config, where),
+            max_position_embeddings=_require(config, "max_position_embeddings", int, where),
+            # Qwen3's configs default to untied embeddings (transformers' Qwen3(Moe)Config does too).
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            moe_layers=moe_layers,
+            model_type=str(model_type),
+        )
+
+
+def init_distributed(
+    backend: str | None = None,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    seed: int = 1234,
+) -> None:
+    """Start torch.distributed and megatron's parallel state; idempotent.
+
+    Under a launcher (WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT set, e.g. torchrun) it joins that group.
+    Otherwise it starts a one-process group on an in-memory store (no port to pick or collide on). The
+    backend defaults to nccl with CUDA and gloo without. On CUDA it also seeds megatron's CUDA RNG tracker,
+    which its GPU weight initialisation requires.
+    """
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        compat.enable_cpu_compat()
+    if not dist.is_initialized():
+        chosen = backend or ("nccl" if cuda else "gloo")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+            dist.init_process_group(backend=chosen)
+        else:
+            store = dist.HashStore()  # type: ignore[attr-defined]  # real, but not in torch.distributed's __all__
+            dist.init_process_group(backend=chosen, store=store, rank=0, world_size=1)
+    wanted = (tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size)
+    if parallel_state.model_parallel_is_initialized():
+        have = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
+        if have != wanted:
+            raise RuntimeError(
+                f"megatron's parallel state is already initialised with (tensor, pipeline, expert) sizes "
+                f"{have}, not {wanted}; one process holds one layout"
+            )
+        return
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+    )
+    if cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    cuda = torch.cuda.is_available()
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        if not cuda:
+            raise ModelConfigError(f"device={resolved}: CUDA is not available on this machine; use cpu")
+        if resolved.index is not None:
+            torch.cuda.set_device(resolved)
+        return torch.device("cuda", torch.cuda.current_device())
+    if resolved.type != "cpu":
+        raise ModelConfigError(f"device={resolved}: only cpu and cuda are supported")
+    if cuda:
+        # Megatron puts forward-time buffers on torch.cuda.current_device(); a CPU model would mix devices.
+        raise ModelConfigError("device=cpu on a machine with CUDA is not supported; build on cuda")
+    return resolved
+
+
+def transformer_config(
+    arch: MoeArchitecture,
+    *,
+    dtype: torch.dtype = torch.float32,
+    routing_replay: bool = False,
+    recompute: Recompute = "none",
+    moe_token_dispatcher: Dispatcher = "allgather",  # noqa: S107 -- a MoE token dispatcher, not a secret
+    cpu_initialization: bool = True,
+) -> Any:
+    """The megatron TransformerConfig that reproduces `arch` (see the module docstring for why each flag)."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ModelConfigError(f"dtype={dtype}: use torch.float32, torch.bfloat16 or torch.float16")
+    if routing_replay and not arch.is_moe:
+        raise ModelConfigError("routing_replay=True needs a mixture-of-experts model; this one is dense")
+    if recompute not in ("none", "selective", "full"):
+        raise ModelConfigError(f"recompute={recompute!r}: use 'none', 'selective' or 'full'")
+    if moe_token_dispatcher not in ("allgather", "alltoall"):
+        raise ModelConfigError(
+            f"moe_token_dispatcher={moe_token_dispatcher!r}: use 'allgather' or 'alltoall'"
+        )
+    recompute_kwargs: dict[str, Any] = {}
+    if recompute == "selective":
+        # Recompute the attention core (scores and softmax), the largest activation of the local,
+        # unfused attention; the router is not in it, so replay has nothing to survive here.
+        recompute_kwargs = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    elif recompute == "full":
+        # One layer per checkpointed unit: every layer's router runs again during backward, which is
+        # what routing replay under recomputation has to survive.
+        recompute_kwargs = {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    moe_kwargs: dict[str, Any] = {}
+    if arch.is_moe:
+        moe_kwargs = {
+            "num_moe_experts": arch.num_experts,
+            "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+            "moe_router_topk": arch.top_k,
+            "moe_layer_freq": [1 if i in arch.moe_layers else 0 for i in range(arch.num_layers)],
+            "moe_router_score_function": "softmax",
+            # norm_topk_prob: softmax over the top-k logits == softmax, top-k, renormalise.
+            "moe_router_pre_softmax": not arch.norm_topk_prob,
+            "moe_router_load_balancing_type": "none",
+            "moe_aux_loss_coeff": 0.0,
+            "moe_token_dispatcher_type": moe_token_dispatcher,
+            "moe_grouped_gemm": False,
+            # The fused router (Transformer Engine) skips routing replay without a word.
+            "moe_router_fusion": False,
+            "moe_permute_fusion": False,
+            "moe_enable_routing_replay": routing_replay,
+        }
+    return _without_te_recompute_advice(
+        TransformerConfig,
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        rotary_interleaved=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        sequence_parallel=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=cpu_initialization,
+        # Fused kernels come from Apex / Transformer Engine / custom CUDA code; the plain torch paths
+        # run everywhere and compute the same thing.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        # Its default ("full") is a deprecated spelling of [] that warns on every config.
+        cuda_graph_scope=[],
+        **recompute_kwargs,
+        **moe_kwargs,
+    )
+
+
+def _without_te_recompute_advice(factory: Any, **kwargs: Any) -> Any:
+    """`factory(**kwargs)` without megatron's advice that TE's fused attention needs no core_attn recompute:
+    the local spec's attention is unfused, where recomputing it is the point."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="If you are using transformer_engine", category=UserWarning)
+        return factory(**kwargs)
+
+
+def build_model(
+    arch: MoeArchitecture,
+    *,
+    dtype: torch.dtype = torch.float32,
+    routing_replay: bool = False,
+    recompute: Recompute = "none",
+    device: torch.device | str | None = None,
+    moe_token_dispatcher: Dispatcher = "allgather",  # noqa: S107 -- a MoE token dispatcher, not a secret
+    use_transformer_engine: bool = False,
+) -> torch.nn.Module:
+    """A randomly initialised megatron GPTModel for `arch` (load weights with `convert.load_hf_weights`).
+
+    Initialises a one-process parallel state first if nothing did. `device` defaults to the current CUDA
+    device, else CPU (where the compatibility layer is switched on). megatron keeps the routers' replay
+    state in a class-level list that every model built with `routing_replay=True` appends to; it is
+    cleared here, so the most recently built replaying model is the one `RouterReplay`'s global calls
+    drive (build a reference model without replay first).
+    """
+    resolved = _resolve_device(device)
+    if resolved.type == "cpu":
+        compat.enable_cpu_compat()
+    compat.patch_missing_transformer_engine()
+    if not parallel_state.model_parallel_is_initialized():
+        init_distributed()
+    if resolved.type == "cuda" and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
+        # GPU weight initialisation forks the tracker's model-parallel state; someone else set up the
+        # parallel state without seeding it.
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    RouterReplay.clear_global_router_replay_instances()
+    config = transformer_config(
+        arch,
+        dtype=dtype,
+        routing_replay=routing_replay,
+        recompute=recompute,
+        moe_token_dispatcher=moe_token_dispatcher,
+        cpu_initialization=resolved.type == "cpu",
+    )
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm"
+    )
+    for layer in spec.layer_specs:
+        mlp = layer.submodules.mlp
+        if isinstance(mlp.module, type) and issubclass(mlp.module, MLP):
+            # megatron's own specs leave a dense MLP's width out, and MLP warns (deprecation) when it
+            # falls back to config.ffn_hidden_size; say it explicitly.
+            layer.submodules.mlp = dataclasses.replace(
+                mlp, params={**mlp.params, "ffn_hidden_size": config.ffn_hidden_size}
+            )
+    net = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=arch.rope_theta,
+    )
+    # megatron's torch RMSNorm modules are created in float32 whatever params_dtype says; one dtype
+    # throughout is what a HF checkpoint of that dtype holds (outputs are the same: the norm returns the
+    # input's dtype either way).
+    built: torch.nn.Module = net.to(device=resolved, dtype=dtype)
+    return built
+
+
+def unwrap(model: torch.nn.Module) -> Any:
+    """The GPTModel inside wrappers that keep it as `.module` (DDP, megatron's Float16Module)."""
+    inner: Any = model
+    while not isinstance(inner, GPTModel) and isinstance(getattr(inner, "module", None), torch.nn.Module):
+        inner = inner.module
+    return inner
+
+
+def attention_masks(
+    batch: int, seq_len: int, lengths: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(attention mask [B|1, 1, S, S], MoE padding mask [B, S] or None); True means masked / padding."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)[None, None]
+    if lengths is None:
+        return causal, None
+    positions = torch.arange(seq_len, device=device)
+    padding = positions[None, :] >= lengths.to(device)[:, None]
+    # Right padding: a real query never reaches a padding key through the causal mask alone; masking
+    # padding keys as well keeps padding queries from attending to padding (they still see position 0).
+    return causal | padding[:, None, None, :], padding
+
+
+def forward_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Float32 logits [B, S, V] of a right-padded batch; positions >= lengths[b] are padding.
+
+    Position ids are 0..S-1 per row. The causal (+ padding) mask is passed explicitly so nothing depends
+    on megatron building its default mask on a CUDA device.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    batch, seq_len = input_ids.shape
+    if lengths is not None and lengths.shape != (batch,):
+        raise ValueError(f"lengths must be [batch]={batch}, got shape {tuple(lengths.shape)}")
+    device = input_ids.device
+    position_ids = torch.arange(seq_len, device=device).unsqueeze(0).expand(batch, seq_len)
+    mask, padding = attention_masks(batch, seq_len, lengths, device)
+    logits: torch.Tensor = model(
+        input_ids, position_ids, mask, padding_mask=padding, runtime_gather_output=True
+    )
+    return logits.float()
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target] per position, float32: logits [B, S, V], targets [B, S] -> [B, S]."""
+    logits = logits.float()
+    picked = logits.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per position, float32: [B, S, V] -> [B, S]."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)

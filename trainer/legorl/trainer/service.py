@@ -1,0 +1,181 @@
+"""The trainer process: wait for a committed batch, update, publish weights, sync the fleet, repeat.
+
+State that a restart needs lives in the run store: the committed batches, the published weights, the
+per-step metrics, `trainer/state.json` (last completed step and policy version) and the checkpoints. On
+start the service loads the newest checkpoint and re-trains any later steps whose batches are committed
+and whose weights were already published (deterministic on CPU, so the policy it ends with is the one it
+had published); it never publishes a version twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from legorl.api.store import RunStore, policy_version
+from legorl.trainer.checkpoint import CheckpointStore
+from legorl.trainer.settings import SettingsError, TrainerSettings
+from legorl.trainer.telemetry import TrainerTelemetry
+from legorl.trainer.train import PolicyTrainer
+from legorl.trainer.weight_sync import FleetWeightSync, PublishedWeights, publish_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutcome:
+    """What one step produced."""
+
+    step: int
+    version: str
+    figures: dict[str, Any]
+    published: PublishedWeights | None = None
+    sync_seconds: float | None = None
+    checkpoint: str | None = None
+    replayed: bool = False
+    """The step was re-trained on resume (its weights had been published before the restart)."""
+
+
+@dataclass
+class TrainingService:
+    """Drives a `PolicyTrainer` from the run store."""
+
+    settings: TrainerSettings
+    store: RunStore
+    telemetry: TrainerTelemetry | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.settings.check_supported()
+        if self.settings.fleet_urls and self.settings.weight_sync_method != "Filesystem":
+            raise SettingsError(
+                "weightSync.method NCCL is driven by the GPU trainer's ranks (NcclWeightSync); this "
+                "service publishes through the run store: use method Filesystem"
+            )
+        if self.settings.fleet_urls and self.store.local_path("weights") is None:
+            raise SettingsError(
+                f"run store {self.settings.store_uri} is not a local path: engines load published "
+                "weights from a path, so put the store on a volume both can mount (pvc:// or file://)"
+            )
+        self.trainer = PolicyTrainer(self.settings)
+        self.checkpoints = CheckpointStore(self.settings.checkpoint_uri or f"{self.store.uri}/checkpoints")
+        self.sync = (
+            FleetWeightSync(
+                list(self.settings.fleet_urls),
+                pause_mode=self.settings.pause_mode,
+                timeout=self.settings.sync_timeout_seconds,
+            )
+            if self.settings.fleet_urls
+            else None
+        )
+        self.resumed_from: int | None = None
+        self._resume()
+
+    # -- resume ----------------------------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        latest = self.checkpoints.latest()
+        if latest is not None:
+            self.trainer.load_state(self.checkpoints.load(latest.step))
+            self.resumed_from = latest.step
+            log.info("resumed from the checkpoint of step %d (%s)", latest.step, latest.uri)
+        published = set(self.store.published_versions())
+        # Steps after the checkpoint whose weights the fleet may already serve: re-train them from their
+        # batches so the optimizer state matches, but publish nothing again.
+        while policy_version(self.trainer.step + 1) in published:
+            step = self.trainer.step + 1
+            if step not in self.store.committed_steps():
+                break
+            log.info("re-training step %d from its committed batch (published before the restart)", step)
+            self.trainer.train_step(self.store.read_batch(step).trials, step=step)
+
+    # -- the loop --------------------------------------------------------------------------------------
+
+    def next_step(self) -> int:
+        return self.trainer.step + 1
+
+    def run_step(self, step: int) -> StepOutcome:
+        """Train on the committed batch of `step`, publish policy version `step`, sync, record."""
+        if step != self.trainer.step + 1:
+            raise ValueError(f"step {step} out of order: the trainer is at step {self.trainer.step}")
+        batch = self.store.read_batch(step)
+        figures = self.trainer.train_step(batch.trials, step=step)
+        version = policy_version(step)
+        outcome = StepOutcome(step=step, version=version, figures=figures)
+        outcome.published = self._publish(version)
+        self.store.record_weights(version, step=step, sha256=outcome.published.sha256)
+        if self.sync is not None:
+            started = time.perf_counter()
+            self.sync.sync(outcome.published)
+            outcome.sync_seconds = time.perf_counter() - started
+            figures["sync_seconds"] = outcome.sync_seconds
+        if step % self.settings.checkpoint_interval == 0 or step == self.settings.max_steps:
+            info = self.checkpoints.save(step, self.trainer.state(), keep=self.settings.checkpoint_keep)
+            outcome.checkpoint = info.uri
+            figures["checkpoint"] = info.uri
+        self.store.write_metrics(step, _flat(figures))
+        self.store.write_trainer_state(
+            {
+                "step": step,
+                "policy_version": version,
+                "checkpoint": outcome.checkpoint or (self.checkpoints.latest() or _NoCheckpoint).uri,
+                "updated": time.time(),
+            }
+        )
+        if self.telemetry is not None:
+            self.telemetry.record(step, figures)
+        log.info(
+            "step %d: reward %.3f, loss %.4g, fidelity %.5f, %s",
+            step,
+            figures.get("reward_mean", float("nan")),
+            figures.get("loss", float("nan")),
+            figures.get("fidelity_pearson", float("nan")),
+            figures.get("skipped", "updated"),
+        )
+        return outcome
+
+    def _publish(self, version: str) -> PublishedWeights:
+        target = self.store.local_path(self.store.weights_path(version))
+        if target is None:
+            raise SettingsError(f"run store {self.settings.store_uri} has no local path for weights")
+        return publish_weights(
+            self.trainer.hf_state_dict(), Path(target), version=version, source_dir=self.trainer.source_dir
+        )
+
+    def run(self, *, max_steps: int | None = None, wait: bool = True, poll_seconds: float = 1.0) -> list[int]:
+        """Train every committed step in order until `max_steps` (default: the run's), or `stop` is set.
+
+        With `wait=False` it returns once no further batch is committed.
+        """
+        limit = max_steps if max_steps is not None else self.settings.max_steps
+        done: list[int] = []
+        while not self.stop.is_set() and (limit is None or self.trainer.step < limit):
+            step = self.next_step()
+            if step not in self.store.committed_steps():
+                if not wait:
+                    break
+                self.stop.wait(poll_seconds)
+                continue
+            self.run_step(step)
+            done.append(step)
+        return done
+
+
+class _NoCheckpoint:
+    uri = None
+
+
+def _flat(figures: dict[str, Any]) -> dict[str, Any]:
+    """Figures as JSON scalars: nested counts become `dropped_by_reason.<reason>` keys."""
+    flat: dict[str, Any] = {}
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                flat[f"{key}.{sub}"] = v
+        else:
+            flat[key] = value
+    return flat

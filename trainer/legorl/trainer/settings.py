@@ -1,0 +1,168 @@
+"""The trainer's one settings object, derived from an RLRun spec; light (no torch), so launchers validate it.
+
+`TrainerSettings.from_run()` is the only place RLRun knobs are read; everything below the entrypoint gets
+this object passed down. Decimal strings in the spec (`"1e-6"`) become floats here, defaults that depend on
+the algorithm (GSPO's tiny clip range) are resolved here, and nothing reads the environment at import.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from legorl.api.kinds import RLRun
+from legorl.api.termination import TerminationReason
+
+AlgorithmName = Literal["GRPO", "GSPO", "PPO"]
+DEFAULT_CLIP: dict[str, tuple[float, float]] = {"GRPO": (0.2, 0.28), "PPO": (0.2, 0.28), "GSPO": (3e-4, 4e-4)}
+"""(clip_low, clip_high) per algorithm when the RLRun leaves them unset (as documented on the CRD)."""
+
+
+class SettingsError(ValueError):
+    """The run cannot be trained as specified; the message says what to change."""
+
+
+class TrainerSettings(BaseModel):
+    """Everything one trainer process needs, resolved from the RLRun plus where it runs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run: str
+    """RLRun name (labels metrics, names the run store's contents)."""
+    store_uri: str
+    """Run store URI (fsspec): batches are read from it, weights, metrics and checkpoints written to it."""
+    checkpoint_dir: Path
+    """Local directory of the initial policy (Hugging Face layout)."""
+    fleet_urls: tuple[str, ...] = ()
+    """Engine base URLs to sync new weights into; empty = publish only."""
+
+    # Algorithm.
+    algorithm: AlgorithmName = "GRPO"
+    learning_rate: Annotated[float, Field(gt=0, lt=1)] = 1e-6
+    clip_low: Annotated[float, Field(gt=0)] = 0.2
+    clip_high: Annotated[float, Field(gt=0)] = 0.28
+    kl_coef: Annotated[float, Field(ge=0)] = 0.0
+    entropy_coef: Annotated[float, Field(ge=0)] = 0.0
+    advantage: Literal["GroupMeanStd", "GroupMean"] = "GroupMeanStd"
+    loss_aggregation: Literal["TokenMean", "SequenceMeanTokenMean", "SequenceMeanTokenSum"] = "TokenMean"
+    importance_mode: Literal["Truncated", "Masked", "Disabled"] = "Truncated"
+    importance_cap: Annotated[float, Field(ge=1)] = 2.0
+    mini_batches: Annotated[int, Field(ge=1)] = 1
+    temperature: Annotated[float, Field(gt=0)] = 1.0
+    """Rollout temperature: training log-probs are taken from logits / temperature, as the engine did."""
+
+    # Which trials train.
+    drop_reasons: frozenset[TerminationReason] = frozenset()
+    drop_zero_variance_groups: bool = True
+    max_staleness: Annotated[int, Field(ge=0)] | None = 0
+    """Policy versions a trial may lag the trainer (Sync: 0; Async: the spec's limit); None = no limit."""
+
+    # Trainer.
+    dtype: Literal["bfloat16", "float32"] = "float32"
+    routing_replay: Literal["Auto", "Enabled", "Disabled"] = "Auto"
+    recompute: Literal["none", "selective", "full"] = "none"
+    max_tokens_per_micro_batch: Annotated[int, Field(ge=16)] = 16_384
+    grad_clip: Annotated[float, Field(ge=0)] = 1.0
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    tensor_parallel: Annotated[int, Field(ge=1)] = 1
+    pipeline_parallel: Annotated[int, Field(ge=1)] = 1
+    expert_parallel: Annotated[int, Field(ge=1)] = 1
+    moe_token_dispatcher: Literal["allgather", "alltoall"] = "allgather"  # noqa: S105 -- not a secret
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    # Checkpoints and weight sync.
+    checkpoint_interval: Annotated[int, Field(ge=1)] = 50
+    checkpoint_keep: Annotated[int, Field(ge=1)] = 3
+    checkpoint_uri: str | None = None
+    """Where trainer checkpoints go; None = `<store>/checkpoints`."""
+    weight_sync_method: Literal["Filesystem", "NCCL"] = "Filesystem"
+    pause_mode: Literal["keep", "wait", "abort"] = "keep"
+    sync_timeout_seconds: Annotated[float, Field(gt=0)] = 600.0
+
+    max_steps: Annotated[int, Field(ge=1)] | None = None
+    seed: int = 0
+
+    @classmethod
+    def from_run(
+        cls,
+        run: RLRun,
+        *,
+        store_uri: str,
+        checkpoint_dir: Path,
+        fleet_urls: tuple[str, ...] = (),
+        device: Literal["auto", "cpu", "cuda"] = "auto",
+    ) -> TrainerSettings:
+        """Resolve the RLRun's knobs (decimal strings, algorithm defaults, schedule) into settings."""
+        spec = run.spec
+        algo = spec.algorithm
+        low_default, high_default = DEFAULT_CLIP[algo.name]
+        par = spec.trainer.parallelism
+        weight_sync = spec.fleet.weight_sync if spec.fleet is not None else None
+        if spec.schedule.mode == "Sync":
+            staleness: int | None = 0
+        else:
+            staleness = spec.schedule.max_staleness_steps or 1
+        return cls(
+            run=run.metadata.name,
+            store_uri=store_uri,
+            checkpoint_dir=checkpoint_dir,
+            fleet_urls=fleet_urls,
+            algorithm=algo.name,
+            learning_rate=_num(algo.learning_rate),
+            clip_low=_num(algo.clip_low) if algo.clip_low is not None else low_default,
+            clip_high=_num(algo.clip_high) if algo.clip_high is not None else high_default,
+            kl_coef=_num(algo.kl_coef),
+            entropy_coef=_num(algo.entropy_coef),
+            advantage=algo.advantage,
+            loss_aggregation=algo.loss_aggregation,
+            importance_mode=algo.importance_correction.mode,
+            importance_cap=_num(algo.importance_correction.cap),
+            mini_batches=algo.mini_batches,
+            temperature=_num(algo.sampling.temperature),
+            drop_reasons=frozenset(spec.filter.drop_reasons),
+            drop_zero_variance_groups=spec.filter.zero_variance_groups == "Drop",
+            max_staleness=staleness,
+            dtype=spec.trainer.dtype,
+            routing_replay=spec.trainer.routing_replay,
+            recompute=spec.trainer.recompute.lower(),
+            max_tokens_per_micro_batch=spec.trainer.max_tokens_per_micro_batch,
+            grad_clip=_num(spec.trainer.grad_clip),
+            weight_decay=_num(spec.trainer.weight_decay),
+            warmup_steps=spec.trainer.warmup_steps,
+            tensor_parallel=par.tensor,
+            pipeline_parallel=par.pipeline,
+            expert_parallel=par.expert,
+            # The alltoall dispatcher is the GPU path (CUDA streams); allgather works everywhere.
+            moe_token_dispatcher="alltoall" if par.gpus_per_node > 0 else "allgather",
+            device=device if device != "auto" else ("cpu" if par.gpus_per_node == 0 else "auto"),
+            checkpoint_interval=spec.checkpoints.interval_steps,
+            checkpoint_keep=spec.checkpoints.keep,
+            checkpoint_uri=spec.checkpoints.location.uri if spec.checkpoints.location else None,
+            weight_sync_method=weight_sync.method if weight_sync else "Filesystem",
+            pause_mode=weight_sync.pause_mode.lower() if weight_sync else "keep",
+            sync_timeout_seconds=float(weight_sync.timeout_seconds) if weight_sync else 600.0,
+            max_steps=spec.stop.max_steps,
+            seed=spec.tasks.seed,
+        )
+
+    def check_supported(self) -> None:
+        """Refuse layouts this trainer build cannot run, before any heavy import."""
+        if self.mini_batches != 1:
+            raise SettingsError(
+                f"algorithm.miniBatches={self.mini_batches}: this trainer runs one optimizer step per "
+                "batch; set miniBatches to 1"
+            )
+        if self.pipeline_parallel != 1:
+            raise SettingsError(
+                f"trainer.parallelism.pipeline={self.pipeline_parallel}: pipeline parallelism is not "
+                "supported yet; use tensor and expert parallelism"
+            )
+
+
+def _num(value: str) -> float:
+    """A spec decimal string (`"1e-6"`, `"0.2"`) as a float."""
+    return float(Decimal(value))
