@@ -182,10 +182,14 @@ def test_resume_gives_the_same_next_step(
 
 
 def test_settings_refuse_unsupported_layouts(tiny: Path, tmp_path: Path) -> None:
-    with pytest.raises(SettingsError, match="miniBatches"):
-        make_settings(tiny, tmp_path, mini_batches=2).check_supported()
     with pytest.raises(SettingsError, match="pipeline"):
         make_settings(tiny, tmp_path, pipeline_parallel=2).check_supported()
+    with pytest.raises(SettingsError, match="tensor=2"):
+        make_settings(tiny, tmp_path, tensor_parallel=2).check_supported()
+    with pytest.raises(SettingsError, match=r"topP=0.9.*Set topP to 1.0"):
+        make_settings(tiny, tmp_path, top_p=0.9).check_supported()
+    with pytest.raises(SettingsError, match="4 trainer ranks"):
+        make_settings(tiny, tmp_path).check_supported(world_size=4)
 
 
 def test_legorl_train_from_a_manifest(tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]) -> None:
@@ -228,3 +232,101 @@ def test_legorl_train_rejects_a_bad_manifest(tmp_path: Path, capsys: pytest.Capt
     assert main(["train", "--spec", str(bad), "--store", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
     assert "legorl train:" in err and "invalid RLRun" in err
+
+
+def test_mini_batches_take_one_optimizer_step_each(
+    tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]
+) -> None:
+    """miniBatches 2: two optimizer steps, the second off-policy against the pre-update log-probs."""
+    from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
+
+    steps_taken = {}
+    for minis in (1, 2):
+        trainer = PolicyTrainer(make_settings(tiny, tmp_path / f"m{minis}", mini_batches=minis))
+        figures = trainer.train_step(batches[0], step=1)
+        assert figures["mini_batches"] == minis
+        # Rollout and the pre-update recompute are the same policy: the figure is taken before any update.
+        assert figures["fidelity_pearson"] > 0.9999
+        state = trainer.optimizer.state[next(iter(trainer.model.parameters()))]
+        steps_taken[minis] = int(state["step"])
+    assert steps_taken == {1: 1, 2: 2}
+
+
+def test_bf16_training_keeps_fp32_master_weights(
+    tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]
+) -> None:
+    """At an RL learning rate a bf16 step is below bf16's resolution: the update lives in fp32 masters."""
+    from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
+
+    trainer = PolicyTrainer(make_settings(tiny, tmp_path, dtype="bfloat16", learning_rate=1e-6))
+    assert trainer.masters is not None
+    before = [m.detach().clone() for m in trainer.masters]
+    figures = trainer.train_step(batches[0], step=1)
+    assert "skipped" not in figures
+    changed = sum(int((m != b).sum()) for m, b in zip(trainer.masters, before, strict=True))
+    total = sum(b.numel() for b in before)
+    assert changed / total > 0.5, f"only {changed}/{total} master weights moved"
+    for param, master in zip(trainer.params, trainer.masters, strict=True):
+        assert param.dtype == torch.bfloat16
+        assert torch.equal(param.detach(), master.detach().to(torch.bfloat16))
+
+
+def test_crash_between_publishing_and_recording_weights(
+    tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights written but never recorded are replaced on restart, not a permanent 'already exists'."""
+    from legorl.trainer.service import TrainingService  # noqa: PLC0415
+
+    store = RunStore(str(tmp_path / "store"))
+    commit(store, batches, range(1, 2))
+
+    def crash(*_args: object, **_kwargs: object) -> None:
+        raise KeyboardInterrupt("killed after publish_weights, before record_weights")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RunStore, "record_weights", crash)
+        first = TrainingService(make_settings(tiny, tmp_path / "store"), store=store)
+        with pytest.raises(KeyboardInterrupt):
+            first.run_step(1)
+    assert (tmp_path / "store" / "weights" / "v1").is_dir()
+    assert store.published_versions() == []
+    second = TrainingService(make_settings(tiny, tmp_path / "store"), store=store)
+    assert second.run(wait=False) == [1]
+    assert store.published_versions() == ["v1"]
+
+
+def test_replay_enabled_leaves_unrouted_segments_out(
+    tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]
+) -> None:
+    """routingReplay Enabled never trains a token unreplayed: segments without routing leave the loss."""
+    import dataclasses  # noqa: PLC0415
+
+    from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
+
+    stripped = [
+        dataclasses.replace(
+            t,
+            segments=[
+                dataclasses.replace(seg, routed_experts=None, routed_experts_shape=None) for seg in t.segments
+            ],
+        )
+        for t in batches[0]
+    ]
+    strict = PolicyTrainer(make_settings(tiny, tmp_path, routing_replay="Enabled"))
+    figures = strict.train_step(stripped, step=1)
+    assert figures["dropped_unrouted_segments"] == len(batches[0]) - 1  # all but the dropped infra trial
+    assert figures["skipped"] == "no sampled tokens"
+    auto = PolicyTrainer(make_settings(tiny, tmp_path, routing_replay="Auto"))
+    figures = auto.train_step(stripped, step=1)
+    assert "skipped" not in figures and figures["replayed_token_share"] == 0.0
+
+
+def test_checkpoints_skip_a_damaged_manifest(tmp_path: Path) -> None:
+    from legorl.trainer.checkpoint import CheckpointStore  # noqa: PLC0415
+
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    store.save(1, {"format": 1, "x": torch.ones(2)}, keep=3)
+    store.save(2, {"format": 1, "x": torch.zeros(2)}, keep=3)
+    (tmp_path / "ckpt" / "step-000002" / "CHECKPOINT.json").write_text('{"step": 2, "sha')  # torn write
+    assert [c.step for c in store.list()] == [1]
+    assert torch.equal(store.load(1)["x"], torch.ones(2))

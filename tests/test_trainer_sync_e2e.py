@@ -173,3 +173,47 @@ def test_one_step_then_sync_serves_the_new_policy(tiny: Path, server: VllmServer
     assert delta_new < 1e-3
     assert delta_old > 20 * max(delta_new, 1e-4)
     assert info["weight_version"] == "v1"
+
+
+def test_restart_after_a_failed_sync_brings_the_fleet_up_to_date(
+    tiny: Path, server: VllmServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v2 is published and recorded but its sync fails for good: the restarted trainer loads it."""
+    from legorl.trainer.service import TrainingService  # noqa: PLC0415
+    from legorl.trainer.weight_sync import FleetWeightSync, PublishedWeights, WeightSyncError  # noqa: PLC0415
+
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        store = RunStore(str(tmp_path / "store"))
+        trials = rollouts(http)
+        store.commit_batch(1, trials, policy_version="v0")
+        # Step 2's batch is the same trials, one version stale: dropped in Sync mode, but v2 is still
+        # published (a skipped update publishes the unchanged policy, so versions never stall).
+        store.commit_batch(2, trials, policy_version="v1")
+    settings = TrainerSettings(
+        run="e2e",
+        store_uri=str(tmp_path / "store"),
+        checkpoint_dir=tiny,
+        fleet_urls=(server.url,),
+        device="cpu",
+        learning_rate=3e-3,
+        max_steps=2,
+    )
+    real_sync = FleetWeightSync.sync
+
+    def failing_v2(self: FleetWeightSync, published: PublishedWeights) -> object:
+        if published.version == "v2":
+            raise WeightSyncError("engine unreachable (simulated)")
+        return real_sync(self, published)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FleetWeightSync, "sync", failing_v2)
+        patch.setattr("threading.Event.wait", lambda self, timeout=None: False)  # no back-off pauses
+        first = TrainingService(settings, store=store)
+        with pytest.raises(WeightSyncError):
+            first.run(wait=False)
+    assert store.published_versions() == ["v1", "v2"]
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.get("/weight_info").json()["weight_version"] == "v1"  # the fleet is behind
+    TrainingService(settings, store=store)  # restart: resume re-trains steps 1-2 and catches the fleet up
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.get("/weight_info").json()["weight_version"] == "v2"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any
 import fsspec
 import torch
 
+log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"step-(\d{6,})$")
 
 
@@ -56,8 +58,11 @@ class CheckpointStore:
         with self.fs.open(f"{folder}/trainer.pt", "wb") as f:
             f.write(payload)
         manifest = {"step": step, "sha256": digest, "bytes": len(payload), "created": time.time()}
-        with self.fs.open(f"{folder}/CHECKPOINT.json", "w") as f:
+        # Written beside and moved into place: a crash never leaves a half-written manifest (on object
+        # stores the move is a copy of one small object, and list() skips an unreadable one anyway).
+        with self.fs.open(f"{folder}/CHECKPOINT.json.tmp", "w") as f:
             f.write(json.dumps(manifest))
+        self.fs.mv(f"{folder}/CHECKPOINT.json.tmp", f"{folder}/CHECKPOINT.json")
         for old in self.list()[:-keep]:
             self.fs.rm(self._dir(old.step), recursive=True)
         return CheckpointInfo(step=step, uri=f"{self.uri}/step-{step:06d}", sha256=digest)
@@ -71,8 +76,12 @@ class CheckpointStore:
             match = _STEP_DIR.search(entry.rstrip("/"))
             if not match or not self.fs.exists(f"{entry.rstrip('/')}/CHECKPOINT.json"):
                 continue
-            with self.fs.open(f"{entry.rstrip('/')}/CHECKPOINT.json", "r") as f:
-                manifest = json.loads(f.read())
+            try:
+                with self.fs.open(f"{entry.rstrip('/')}/CHECKPOINT.json", "r") as f:
+                    manifest = json.loads(f.read())
+            except (OSError, ValueError) as exc:
+                log.warning("skipping checkpoint %s: unreadable manifest (%s)", entry, exc)
+                continue
             step = int(match.group(1))
             found.append(
                 CheckpointInfo(step=step, uri=f"{self.uri}/step-{step:06d}", sha256=manifest["sha256"])

@@ -16,6 +16,7 @@ but the last) line up with `input_ids` one-to-one.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,9 @@ __all__ = [
     "sequences_from_trials",
     "trial_advantages",
 ]
+
+
+log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
@@ -111,6 +115,11 @@ class FilterResult:
     """Trials dropped because their group had zero variance."""
     max_staleness_seen: int = 0
     """Largest staleness among the trials that passed the reason filter."""
+    dropped_no_reward: int = 0
+    """Trained-on trials without a finite reward: a run-controller bug, counted and logged."""
+    dropped_unknown_version: int = 0
+    """Trials whose policy version could not be read (e.g. the proxy's `unknown`) under a staleness
+    limit: nothing proves they are fresh enough."""
 
     @property
     def dropped(self) -> int:
@@ -119,6 +128,8 @@ class FilterResult:
             + self.dropped_stale
             + self.dropped_empty
             + self.dropped_zero_variance
+            + self.dropped_no_reward
+            + self.dropped_unknown_version
         )
 
 
@@ -134,14 +145,18 @@ def filter_trials(
 
     In order: trials whose termination reason is in `drop_reasons` are dropped (default
     RLRun: the infra reasons; agent outcomes stay and are trained with their reward). A
-    remaining trial without a finite reward is an error, not a silent drop: the run
-    controller scores every agent outcome, and quietly losing e.g. all timeouts would bias
-    the batch towards successes — either score it or add its reason to `dropReasons`. Then
-    trials more than `max_staleness` versions behind are dropped (staleness =
-    `current_version` − the oldest version the trial saw; None disables this), and trials
-    without segments. Last, groups whose kept trials all got the same reward (including a
-    group left with one trial) are counted and, with `drop_zero_variance_groups` (RLRun
-    `filter.zeroVarianceGroups: Drop`), dropped: their advantages are all 0.
+    remaining trial without a finite reward is a run-controller bug (it scores every agent
+    outcome; losing e.g. all timeouts would bias the batch towards successes): it is dropped,
+    counted in `dropped_no_reward` and logged as an error rather than raised, because a
+    committed batch cannot be rewritten and raising would stop the trainer on it for good.
+    Then trials more than `max_staleness` versions behind are dropped (staleness =
+    `current_version` − the oldest version the trial saw; None disables this); a trial whose
+    version cannot be parsed (the proxy's `unknown`) is dropped under a limit, as
+    `dropped_unknown_version`. A version newer than the trainer's is an error: the trainer's
+    state is behind the fleet's. Trials without segments are dropped. Last, groups whose kept
+    trials all got the same reward (including a group left with one trial) are counted and,
+    with `drop_zero_variance_groups` (RLRun `filter.zeroVarianceGroups: Drop`), dropped: their
+    advantages are all 0.
     """
     result = FilterResult(kept=[])
     by_reason: Counter[TerminationReason] = Counter()
@@ -151,12 +166,23 @@ def filter_trials(
             by_reason[trial.termination_reason] += 1
             continue
         if trial.reward is None or not math.isfinite(trial.reward):
-            raise DataError(
-                f"trial {trial.trial} ended as {trial.termination_reason.value} with reward "
-                f"{trial.reward!r}, and that reason is trained on: score such trials in the run "
-                f"controller or add {trial.termination_reason.value!r} to filter.dropReasons"
+            log.error(
+                "trial %s ended as %s with reward %r, and that reason is trained on: dropped; score "
+                "such trials in the run controller or add %r to filter.dropReasons",
+                trial.trial,
+                trial.termination_reason.value,
+                trial.reward,
+                trial.termination_reason.value,
             )
-        oldest = oldest_policy_version(trial)
+            result.dropped_no_reward += 1
+            continue
+        try:
+            oldest = oldest_policy_version(trial)
+        except DataError:
+            if max_staleness is not None:
+                result.dropped_unknown_version += 1
+                continue
+            oldest = None
         if oldest is not None:
             staleness = current_version - oldest
             if staleness < 0:

@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
         "--checkpoint-dir",
         type=Path,
         help="local directory of the initial policy (Hugging Face layout); default: spec.policy.checkpoint "
-        "when it is file:// or builtin://tiny-moe",
+        "(hf:// is downloaded, pvc://claim/path read from /models/claim/path, file:// and builtin://tiny-moe "
+        "used as they are)",
     )
     p.add_argument(
         "--fleet-url",
@@ -58,8 +59,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_checkpoint(uri: str, cache: Path) -> Path:
-    """A local directory for the policy checkpoint URI, making the builtin tiny model when asked."""
+MODELS_DIR = Path("/models")
+"""Where a trainer pod mounts a `pvc://claim/path` checkpoint (the operator mounts `claim` at
+`/models/<claim>`, as it does for the fleet)."""
+_HF_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+
+
+def resolve_checkpoint(uri: str, cache: Path, *, revision: str | None = None) -> Path:
+    """A local directory for the policy checkpoint URI (made, mounted or downloaded as the scheme says)."""
+    scheme, _, rest = uri.partition("://")
     if uri == TINY_MOE:
         target = cache / "tiny-moe"
         if not (target / "config.json").is_file():
@@ -67,11 +75,21 @@ def resolve_checkpoint(uri: str, cache: Path) -> Path:
 
             make_tiny_model(target)
         return target
-    if uri.startswith("file://"):
-        return Path(uri.removeprefix("file://"))
+    if scheme == "file":
+        return Path(rest)
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        return MODELS_DIR / claim / path
+    if scheme == "hf":
+        from huggingface_hub import snapshot_download  # noqa: PLC0415 -- a dependency of transformers
+
+        # Only the files a checkpoint is made of: config, tokenizer, safetensors (never pickles).
+        return Path(
+            snapshot_download(rest, revision=revision, cache_dir=str(cache / "hf"), allow_patterns=_HF_FILES)
+        )
     raise ValueError(
-        f"policy.checkpoint {uri!r}: the trainer reads the initial policy from a local directory; "
-        "pass --checkpoint-dir (on a cluster the trainer pod mounts it) or use file:// or builtin://tiny-moe"
+        f"policy.checkpoint {uri!r}: the trainer reads {scheme}:// checkpoints only through a local copy; "
+        "pass --checkpoint-dir, or use hf://, pvc://, file:// or builtin://tiny-moe"
     )
 
 
@@ -112,8 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = args.store or (run.spec.store.uri if run.spec.store else f".legorl/runs/{run.metadata.name}")
         if store.startswith("file://"):
             store = store.removeprefix("file://")
+        cache = Path(store) / "cache" if "://" not in store else Path(os.environ.get("HOME", ".")) / ".cache"
         checkpoint = args.checkpoint_dir or resolve_checkpoint(
-            run.spec.policy.checkpoint.uri, Path(store) / "cache" if "://" not in store else Path(".legorl")
+            run.spec.policy.checkpoint.uri, cache, revision=run.spec.policy.checkpoint.revision
         )
         from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
 
@@ -124,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fleet_urls=tuple(args.fleet_url),
             device=args.device,
         )
-        settings.check_supported()
+        settings.check_supported(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as exc:
         print(f"legorl train: {exc}", file=sys.stderr)
         return EXIT_USAGE

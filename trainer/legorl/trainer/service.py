@@ -10,6 +10,7 @@ had published); it never publishes a version twice.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,13 @@ from legorl.trainer.checkpoint import CheckpointStore
 from legorl.trainer.settings import SettingsError, TrainerSettings
 from legorl.trainer.telemetry import TrainerTelemetry
 from legorl.trainer.train import PolicyTrainer
-from legorl.trainer.weight_sync import FleetWeightSync, PublishedWeights, publish_weights
+from legorl.trainer.weight_sync import (
+    FleetWeightSync,
+    PublishedWeights,
+    WeightSyncError,
+    publish_weights,
+    read_published,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +98,48 @@ class TrainingService:
             if step not in self.store.committed_steps():
                 break
             log.info("re-training step %d from its committed batch (published before the restart)", step)
-            self.trainer.train_step(self.store.read_batch(step).trials, step=step)
+            figures = self.trainer.train_step(self.store.read_batch(step).trials, step=step)
+            figures["retrained_on_resume"] = 1
+            # A crash between publishing and recording the step left no figures and a stale pointer.
+            self.store.write_metrics(step, _flat(figures))
+            self._write_state(step, None)
+        self._catch_up_fleet()
+
+    def _catch_up_fleet(self) -> None:
+        """Load the newest published version into replicas that serve an older one.
+
+        A crash (or a failed sync) after a version was published leaves the fleet behind; in Sync mode
+        every later trial would then be stale.
+        """
+        versions = self.store.published_versions()
+        if self.sync is None or not versions:
+            return
+        latest = versions[-1]
+        served = self.sync.served_versions()
+        if all(v == latest for v in served):
+            return
+        log.warning("fleet serves %s, the newest published version is %s: syncing it", served, latest)
+        target = self.store.local_path(self.store.weights_path(latest))
+        assert target is not None  # checked in __post_init__
+        self._sync_with_retries(read_published(Path(target)))
+
+    def _sync_with_retries(self, published: PublishedWeights, attempts: int = 3) -> float:
+        """Sync `published` into the fleet; transient failures are retried with a growing pause."""
+        assert self.sync is not None
+        for attempt in range(1, attempts + 1):
+            started = time.perf_counter()
+            try:
+                self.sync.sync(published)
+            except WeightSyncError as exc:
+                if attempt == attempts:
+                    raise
+                log.warning(
+                    "sync of %s failed (attempt %d/%d): %s", published.version, attempt, attempts, exc
+                )
+                self.stop.wait(2.0 * attempt)
+                continue
+            return time.perf_counter() - started
+        raise AssertionError("unreachable")
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -109,23 +157,14 @@ class TrainingService:
         outcome.published = self._publish(version)
         self.store.record_weights(version, step=step, sha256=outcome.published.sha256)
         if self.sync is not None:
-            started = time.perf_counter()
-            self.sync.sync(outcome.published)
-            outcome.sync_seconds = time.perf_counter() - started
+            outcome.sync_seconds = self._sync_with_retries(outcome.published)
             figures["sync_seconds"] = outcome.sync_seconds
         if step % self.settings.checkpoint_interval == 0 or step == self.settings.max_steps:
             info = self.checkpoints.save(step, self.trainer.state(), keep=self.settings.checkpoint_keep)
             outcome.checkpoint = info.uri
             figures["checkpoint"] = info.uri
         self.store.write_metrics(step, _flat(figures))
-        self.store.write_trainer_state(
-            {
-                "step": step,
-                "policy_version": version,
-                "checkpoint": outcome.checkpoint or (self.checkpoints.latest() or _NoCheckpoint).uri,
-                "updated": time.time(),
-            }
-        )
+        self._write_state(step, outcome.checkpoint)
         if self.telemetry is not None:
             self.telemetry.record(step, figures)
         log.info(
@@ -138,10 +177,26 @@ class TrainingService:
         )
         return outcome
 
+    def _write_state(self, step: int, checkpoint: str | None) -> None:
+        latest = self.checkpoints.latest()
+        self.store.write_trainer_state(
+            {
+                "step": step,
+                "policy_version": policy_version(step),
+                "checkpoint": checkpoint or (latest.uri if latest else None),
+                "updated": time.time(),
+            }
+        )
+
     def _publish(self, version: str) -> PublishedWeights:
         target = self.store.local_path(self.store.weights_path(version))
         if target is None:
             raise SettingsError(f"run store {self.settings.store_uri} has no local path for weights")
+        if target.exists() and self.store.read_published(version) is None:
+            # Written but never recorded (a crash in between): nobody was told about it, so it is
+            # replaced rather than trusted.
+            log.warning("replacing unrecorded weights of %s left by an earlier crash", version)
+            shutil.rmtree(target)
         return publish_weights(
             self.trainer.hf_state_dict(), Path(target), version=version, source_dir=self.trainer.source_dir
         )
@@ -163,10 +218,6 @@ class TrainingService:
             self.run_step(step)
             done.append(step)
         return done
-
-
-class _NoCheckpoint:
-    uri = None
 
 
 def _flat(figures: dict[str, Any]) -> dict[str, Any]:

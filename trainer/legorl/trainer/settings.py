@@ -53,6 +53,8 @@ class TrainerSettings(BaseModel):
     mini_batches: Annotated[int, Field(ge=1)] = 1
     temperature: Annotated[float, Field(gt=0)] = 1.0
     """Rollout temperature: training log-probs are taken from logits / temperature, as the engine did."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Rollout nucleus threshold; the trainer models only 1.0 (no truncation)."""
 
     # Which trials train.
     drop_reasons: frozenset[TerminationReason] = frozenset()
@@ -123,6 +125,7 @@ class TrainerSettings(BaseModel):
             importance_cap=_num(algo.importance_correction.cap),
             mini_batches=algo.mini_batches,
             temperature=_num(algo.sampling.temperature),
+            top_p=_num(algo.sampling.top_p),
             drop_reasons=frozenset(spec.filter.drop_reasons),
             drop_zero_variance_groups=spec.filter.zero_variance_groups == "Drop",
             max_staleness=staleness,
@@ -149,12 +152,24 @@ class TrainerSettings(BaseModel):
             seed=spec.tasks.seed,
         )
 
-    def check_supported(self) -> None:
+    def check_supported(self, world_size: int = 1) -> None:
         """Refuse layouts this trainer build cannot run, before any heavy import."""
-        if self.mini_batches != 1:
+        if world_size != 1:
             raise SettingsError(
-                f"algorithm.miniBatches={self.mini_batches}: this trainer runs one optimizer step per "
-                "batch; set miniBatches to 1"
+                f"{world_size} trainer ranks: this trainer build trains on one rank (no data-parallel "
+                "gradient reduction yet); set trainer.parallelism to nodes 1 and gpusPerNode 1 (or 0 for CPU)"
+            )
+        if self.tensor_parallel != 1 or self.expert_parallel != 1:
+            raise SettingsError(
+                f"trainer.parallelism tensor={self.tensor_parallel}, expert={self.expert_parallel}: this "
+                "trainer build converts HF weights for one rank only; set both to 1 (the model must fit "
+                "one GPU) until sharded conversion lands"
+            )
+        if self.top_p != 1.0:
+            raise SettingsError(
+                f"algorithm.sampling.topP={self.top_p}: the trainer recomputes log-probs of the full "
+                "temperature-scaled distribution; nucleus truncation would bias every importance weight. "
+                "Set topP to 1.0"
             )
         if self.pipeline_parallel != 1:
             raise SettingsError(

@@ -85,8 +85,17 @@ class PolicyTrainer:
         if self.replay_enabled:
             replay.check_replay_active(self.model, self.arch)
         self.replayer = replay.RouterReplayer(self.model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # bf16 parameters cannot hold an RL-sized update (1e-6 relative is far below bf16's resolution: one
+        # AdamW step changes ~0.04% of them), so the optimizer keeps fp32 master weights and the model gets
+        # each step's result rounded back into its own dtype.
+        self.masters: list[torch.nn.Parameter] | None = (
+            [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+            if self.dtype != torch.float32
+            else None
+        )
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
+            self.masters if self.masters is not None else self.params,
             lr=settings.learning_rate,
             betas=(0.9, 0.999),
             eps=1e-8,
@@ -181,18 +190,37 @@ class PolicyTrainer:
             "zero_variance_groups": filtered.zero_variance_groups,
             "dropped_by_reason": {reason.value: n for reason, n in filtered.dropped_by_reason.items()},
             "dropped_stale": filtered.dropped_stale,
+            "dropped_no_reward": filtered.dropped_no_reward,
+            "dropped_unknown_version": filtered.dropped_unknown_version,
             "max_staleness_seen": filtered.max_staleness_seen,
             "learning_rate": self.learning_rate(step),
             "reward_mean_all": float(np.mean(rewards_all)) if rewards_all else math.nan,
         }
-        micro_batches: list[data.MicroBatch] = []
+        minis: list[list[data.MicroBatch]] = []
         if kept:
             rewards = torch.tensor([float(t.reward or 0.0) for t in kept])
             advantages = loss.group_advantages(rewards, [t.group_id for t in kept], mode=s.advantage)
             figures["reward_mean"] = float(rewards.mean())
             figures["advantage_abs_mean"] = float(advantages.abs().mean())
             by_trial = {t.trial: float(a) for t, a in zip(kept, advantages, strict=True)}
-            micro_batches = self._pack(data.sequences_from_trials(kept, by_trial))
+            sequences = data.sequences_from_trials(kept, by_trial)
+            if s.routing_replay == "Enabled":
+                # Enabled means every trained token is routed as the engine routed it: segments the
+                # engine returned no routing for leave the loss (counted) instead of training unreplayed.
+                unrouted = [q for q in sequences if q.routed_experts is None]
+                if unrouted:
+                    log.error(
+                        "routingReplay Enabled, but %d of %d segments carry no routed experts (is the "
+                        "fleet's routedExpertsCapture on?): left out of the loss",
+                        len(unrouted),
+                        len(sequences),
+                    )
+                    sequences = [q for q in sequences if q.routed_experts is not None]
+                figures["dropped_unrouted_segments"] = len(unrouted)
+            # Mini-batches: contiguous slices of the batch's sequences, one optimizer step each.
+            size = math.ceil(len(sequences) / s.mini_batches) if sequences else 1
+            minis = [self._pack(sequences[i : i + size]) for i in range(0, len(sequences), size)]
+        micro_batches = [m for mini in minis for m in mini]
         if not any(m.num_loss_tokens for m in micro_batches):
             figures["skipped"] = "no trials left after filtering" if not kept else "no sampled tokens"
             figures["step_seconds"] = time.perf_counter() - started
@@ -201,20 +229,26 @@ class PolicyTrainer:
 
         for group in self.optimizer.param_groups:
             group["lr"] = figures["learning_rate"]
-        acc = self._accumulate_gradients(micro_batches)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else math.inf)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            # A NaN/inf gradient would destroy the policy; skip the update and say so.
-            figures["skipped"] = f"non-finite gradient norm ({float(grad_norm)})"
-        self.optimizer.zero_grad(set_to_none=True)
+        # With one mini-batch the "old" policy is the one being trained (ratio 1, its gradient is the
+        # policy gradient). With several, later mini-batches are off-policy: their ratio is taken against
+        # the log-probs every micro-batch had before the first update.
+        olds = None if len(minis) == 1 else [self._forward(m, grad=False)[0].detach() for m in micro_batches]
+        acc = _Accumulator(loss_tokens=sum(m.num_loss_tokens for m in micro_batches), minis=len(minis))
+        norms, start = [], 0
+        for mini in minis:
+            old = olds[start : start + len(mini)] if olds is not None else None
+            start += len(mini)
+            self._accumulate_gradients(mini, acc, old)
+            grad_norm = self._optimizer_step()
+            norms.append(grad_norm)
+            if not math.isfinite(grad_norm):
+                figures["skipped"] = f"non-finite gradient norm ({grad_norm})"
         elapsed = time.perf_counter() - started
         figures.update(acc.figures())
         figures.update(
-            grad_norm=float(grad_norm),
+            grad_norm=float(np.mean(norms)),
             kl_ref=figures.get("kl_ref") if self.reference is not None else None,
+            mini_batches=len(minis),
             micro_batches=len(micro_batches),
             tokens_per_second=acc.tokens_through / elapsed if elapsed > 0 else None,
             step_seconds=elapsed,
@@ -222,19 +256,51 @@ class PolicyTrainer:
         self.step = step
         return figures
 
-    def _accumulate_gradients(self, micro_batches: Sequence[data.MicroBatch]) -> _Accumulator:
-        """Forward and backward every micro-batch; gradients add up to the whole batch's loss."""
+    def _optimizer_step(self) -> float:
+        """Clip, step (through the fp32 masters when the model is not fp32), clear; the grad norm.
+
+        A non-finite norm skips the update: one NaN would destroy the policy.
+        """
+        clip = self.settings.grad_clip if self.settings.grad_clip > 0 else math.inf
+        if self.masters is not None:
+            for param, master in zip(self.params, self.masters, strict=True):
+                master.grad = None if param.grad is None else param.grad.detach().float()
+            trained = [m for m in self.masters if m.grad is not None]
+        else:
+            trained = [p for p in self.params if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(trained, clip)) if trained else 0.0
+        if math.isfinite(norm):
+            self.optimizer.step()
+            if self.masters is not None:
+                with torch.no_grad():
+                    for param, master in zip(self.params, self.masters, strict=True):
+                        param.copy_(master)
+        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.params:
+            param.grad = None
+        return norm
+
+    def _accumulate_gradients(
+        self,
+        micro_batches: Sequence[data.MicroBatch],
+        acc: _Accumulator,
+        olds: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        """Forward and backward every micro-batch of one mini-batch; gradients add up to its whole loss.
+
+        `olds`: each micro-batch's log-probs before this step's first update (several mini-batches);
+        None when the mini-batch is the whole batch and the policy being trained is the old one.
+        """
         s = self.settings
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = sum(m.num_loss_tokens for m in micro_batches)
         total_seqs = sum(int(m.input_ids.shape[0]) for m in micro_batches)
         normalizer = float(total_tokens if s.loss_aggregation == "TokenMean" else total_seqs)
-        acc = _Accumulator(loss_tokens=total_tokens)
-        for micro in micro_batches:
+        for index, micro in enumerate(micro_batches):
             logp, ent, covered = self._forward(micro, grad=True)
             mask = micro.loss_mask.to(self.device)
-            old_logp = logp.detach()
+            old_logp = logp.detach() if olds is None else olds[index]
             weights, is_stats = loss.importance_weights(
                 old_logp,
                 micro.behavior_logprobs.to(self.device),
@@ -264,14 +330,14 @@ class PolicyTrainer:
                     loss.kl_penalty(logp, ref_logp, mask), mask, s.loss_aggregation, normalizer=normalizer
                 )
                 total = total + s.kl_coef * kl
-                acc.kl_ref += float(kl.detach())
+                acc.kl_ref += float(kl.detach()) / acc.minis
             if self.replay_enabled:
                 self.replayer.before_backward()
             torch.autograd.backward(total)
             self.replayer.clear()
-            share = micro.num_loss_tokens / total_tokens
-            acc.loss += float(total.detach())
-            acc.entropy += float(entropy.detach())
+            share = micro.num_loss_tokens / acc.loss_tokens
+            acc.loss += float(total.detach()) / acc.minis
+            acc.entropy += float(entropy.detach()) / acc.minis
             acc.clip_fraction += float(stats["clip_fraction"]) * share
             acc.capped_share += float(is_stats["capped_fraction"]) * share
             keep = micro.loss_mask.bool()
@@ -280,7 +346,6 @@ class PolicyTrainer:
             acc.replayed.append(covered[keep])
             acc.weights.append(weights.float().cpu()[keep])
             acc.tokens_through += int(micro.lengths.sum())
-        return acc
 
     def _pack(self, sequences: Sequence[data.TrainSequence]) -> list[data.MicroBatch]:
         """Micro-batches; with replay on, sequences without recorded routing never share a replayed one."""
@@ -303,6 +368,7 @@ class PolicyTrainer:
             "format": 1,
             "step": self.step,
             "model": self.model.state_dict(),
+            "masters": [m.detach().clone() for m in self.masters] if self.masters is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
@@ -317,6 +383,12 @@ class PolicyTrainer:
         if state.get("format") != 1:
             raise ValueError(f"unknown trainer checkpoint format {state.get('format')!r}")
         self.model.load_state_dict(state["model"])
+        if self.masters is not None:
+            if state.get("masters") is None:
+                raise ValueError("checkpoint has no fp32 master weights but this trainer is not fp32")
+            with torch.no_grad():
+                for master, saved in zip(self.masters, state["masters"], strict=True):
+                    master.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         rng = state["rng"]
@@ -345,6 +417,8 @@ class _Accumulator:
     """Running sums over a step's micro-batches and the per-token tensors the fidelity figures need."""
 
     loss_tokens: int
+    minis: int = 1
+    """Mini-batches (optimizer steps) the figures average over."""
     loss: float = 0.0
     entropy: float = 0.0
     kl_ref: float = 0.0

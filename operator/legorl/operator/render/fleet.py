@@ -109,6 +109,14 @@ def vllm_args(fleet: RolloutFleet, model_arg: str, extra: list[str]) -> list[str
         args.append("--enable-return-routed-experts")
     if settings.tool_call_parser:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", settings.tool_call_parser]
+    # Behaviour log-probs of the distribution actually sampled from (after temperature), which is what
+    # the trainer's importance weights and fidelity figures compare against; vLLM's default reports
+    # the raw model's.
+    args += ["--logprobs-mode", "processed_logprobs"]
+    # Sampling defaults come from the run (through the proxy), never from the checkpoint's
+    # generation_config.json (Qwen3's top_k 20 / top_p 0.95 would truncate the distribution the
+    # trainer recomputes, biasing every importance weight).
+    args += ["--generation-config", "vllm"]
     backend = WEIGHT_TRANSFER_BACKEND[spec.weight_sync.method]
     args += ["--weight-transfer-config", json.dumps({"backend": backend}, separators=(",", ":"))]
     if spec.weight_sync.method == "Filesystem":

@@ -25,7 +25,7 @@ from legorl.operator.render.common import (
     with_hash,
 )
 from legorl.operator.render.fleet import COMPONENT as ENGINE
-from legorl.operator.render.fleet import engine_name
+from legorl.operator.render.fleet import MODELS_DIR, engine_name
 
 APP = "legorl-trainer"
 TRAINER = "trainer"
@@ -115,6 +115,17 @@ def _trainer_account(run: RLRun) -> dict[str, Any]:
     return service_account(run, trainer_name(run.metadata.name), TRAINER, APP)
 
 
+def _checkpoint_volume(run: RLRun) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """A `pvc://claim/path` policy checkpoint, mounted read-only at /models/<claim> (where the trainer
+    looks for it, as the fleet does); other schemes need no volume."""
+    scheme, _, rest = run.spec.policy.checkpoint.uri.partition("://")
+    if scheme != "pvc":
+        return None
+    claim = rest.partition("/")[0]
+    volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    return volume, {"name": "model", "mountPath": f"{MODELS_DIR}/{claim}", "readOnly": True}
+
+
 def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int) -> dict[str, Any]:
     trainer = run.spec.trainer
     par = trainer.parallelism
@@ -164,8 +175,16 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int) -> dict[str, A
             *store.mounts,
         ],
     }
-    if store.env_from:
-        container["envFrom"] = store.env_from
+    env_from = list(store.env_from)
+    if run.spec.policy.checkpoint.credentials_secret_ref is not None:
+        # The trainer reads the initial policy itself (e.g. an hf:// download), with the same
+        # credentials the fleet gets.
+        env_from.append({"secretRef": {"name": run.spec.policy.checkpoint.credentials_secret_ref.name}})
+    if env_from:
+        container["envFrom"] = env_from
+    model_volumes = _checkpoint_volume(run)
+    if model_volumes:
+        container["volumeMounts"].append(model_volumes[1])
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "subdomain": name,
@@ -176,6 +195,7 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int) -> dict[str, A
             {"name": "tmp", "emptyDir": {}},
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
             *store.volumes,
+            *([model_volumes[0]] if model_volumes else []),
         ],
     }
     pod_spec.update(pod_placement(trainer.placement, trainer.identity, name))
