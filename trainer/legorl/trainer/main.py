@@ -8,7 +8,6 @@ megatron or vLLM are imported, so a wrong flag fails in a fraction of a second.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -93,6 +92,27 @@ def resolve_checkpoint(uri: str, cache: Path, *, revision: str | None = None) ->
     )
 
 
+def meter_provider() -> Any:
+    """OpenTelemetry metrics, exported over OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` (or the metrics one) is
+    set and the exporter is installed; otherwise kept in-process (the run store has the same figures)."""
+    from opentelemetry.sdk.metrics import MeterProvider  # noqa: PLC0415
+
+    if not (
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+    ):
+        return MeterProvider()
+    try:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter  # noqa: PLC0415
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader  # noqa: PLC0415
+    except ImportError:
+        logging.getLogger(__name__).warning(
+            "OTEL_EXPORTER_OTLP_ENDPOINT is set but opentelemetry-exporter-otlp-proto-http is not installed; "
+            "trainer metrics stay in the run store only"
+        )
+        return MeterProvider()
+    return MeterProvider(metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())])
+
+
 def _load_run(args: argparse.Namespace) -> Any:
     from legorl.api.kinds import RLRun  # noqa: PLC0415
     from legorl.manifests import validate_paths  # noqa: PLC0415
@@ -152,16 +172,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         print(f"the trainer needs its extra: pip install 'legorl[trainer]' ({exc})", file=sys.stderr)
         return EXIT_USAGE
-    from opentelemetry.sdk.metrics import MeterProvider  # noqa: PLC0415
-
     from legorl.api.store import RunStore  # noqa: PLC0415
     from legorl.trainer.service import TrainingService  # noqa: PLC0415
     from legorl.trainer.telemetry import TrainerTelemetry  # noqa: PLC0415
 
     store_obj = RunStore(settings.store_uri)
-    store_obj.write_run_spec(json.loads(run.model_dump_json(by_alias=True, exclude_none=True)))
+    if args.spec is not None:
+        # The store names the run it belongs to, so later processes (and the UI) can start from it.
+        store_obj.write_run_spec(run.to_wire())
     service = TrainingService(
-        settings, store=store_obj, telemetry=TrainerTelemetry(MeterProvider(), run=settings.run)
+        settings, store=store_obj, telemetry=TrainerTelemetry(meter_provider(), run=settings.run)
     )
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
