@@ -35,7 +35,6 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from legorl.api.trajectory import TrialRecord  # noqa: E402
-from legorl.trainer import data, loss  # noqa: E402
 from legorl.trainer.sampling import sample, to_trial  # noqa: E402
 from legorl.trainer.settings import TrainerSettings  # noqa: E402
 from legorl.trainer.train import PolicyTrainer  # noqa: E402
@@ -57,17 +56,14 @@ def settings_for(model_dir: Path, store: Path, *, replay: str, device: str, **ex
 
 
 def stats_row(name: str, trainer: PolicyTrainer, trials: list[TrialRecord]) -> dict[str, Any]:
-    seqs = data.sequences_from_trials(trials, {t.trial: 0.0 for t in trials})
-    scored = trainer.score(trainer._pack(seqs))
-    ones = torch.ones_like(scored.train_logprobs)
-    fid = loss.fidelity_stats(scored.train_logprobs[None], scored.behavior_logprobs[None], ones[None])
+    fid = trainer.score_trials(trials).fidelity()
     return {
         "row": name,
         "pearson": fid["pearson"],
         "mean_abs_dlogp": fid["mean_abs_logprob_delta"],
         "max_abs_dlogp": fid["max_abs_logprob_delta"],
-        "tokens": int(ones.numel()),
-        "replayed_share": float(scored.replayed.float().mean()),
+        "tokens": int(fid["tokens"]),
+        "replayed_share": fid["replayed_share"],
     }
 
 

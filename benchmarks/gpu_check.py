@@ -215,7 +215,6 @@ def _kept_share(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def check_fidelity_and_throughput(model_dir: Path, size: dict[str, Any], device: torch.device) -> None:
-    from legorl.trainer import data, loss  # noqa: PLC0415
     from legorl.trainer.sampling import sample, to_trial  # noqa: PLC0415
     from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
     from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
@@ -259,10 +258,7 @@ def check_fidelity_and_throughput(model_dir: Path, size: dict[str, Any], device:
     for dtype in ("float32", "bfloat16"):
         for replay_mode in ("Enabled", "Disabled"):
             trainer = PolicyTrainer(settings(routing_replay=replay_mode, dtype=dtype))
-            seqs = data.sequences_from_trials(trials, {t.trial: 0.0 for t in trials})
-            scored = trainer.score(trainer._pack(seqs))
-            ones = torch.ones_like(scored.train_logprobs)
-            fid = loss.fidelity_stats(scored.train_logprobs[None], scored.behavior_logprobs[None], ones[None])
+            fid = trainer.score_trials(trials).fidelity()
             report(
                 "fidelity_bf16_rollout",
                 recompute_dtype=dtype,
@@ -270,7 +266,7 @@ def check_fidelity_and_throughput(model_dir: Path, size: dict[str, Any], device:
                 pearson=fid["pearson"],
                 mean_abs_dlogp=fid["mean_abs_logprob_delta"],
                 max_abs_dlogp=fid["max_abs_logprob_delta"],
-                tokens=int(ones.numel()),
+                tokens=int(fid["tokens"]),
             )
             del trainer
 

@@ -131,7 +131,6 @@ def test_published_weights_are_the_trained_policy(
     tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]
 ) -> None:
     """The safetensors of v1 loaded into a fresh trainer score exactly like the trainer that made them."""
-    from legorl.trainer import data  # noqa: PLC0415
     from legorl.trainer.service import TrainingService  # noqa: PLC0415
     from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
 
@@ -139,12 +138,12 @@ def test_published_weights_are_the_trained_policy(
     commit(store, batches, range(1, 2))
     service = TrainingService(make_settings(tiny, tmp_path / "store"), store=store)
     service.run(wait=False)
-    seqs = data.sequences_from_trials(batches[1][1:], {t.trial: 0.0 for t in batches[1][1:]})
-    mine = service.trainer.score(service.trainer._pack(seqs)).train_logprobs
+    held = batches[1][1:]
+    mine = service.trainer.score_trials(held).train_logprobs
     v1 = store.local_path(store.weights_path("v1"))
     fresh = PolicyTrainer(make_settings(v1, tmp_path / "other"))  # type: ignore[arg-type]
-    theirs = fresh.score(fresh._pack(seqs)).train_logprobs
-    v0 = PolicyTrainer(make_settings(tiny, tmp_path / "other")).score(fresh._pack(seqs)).train_logprobs
+    theirs = fresh.score_trials(held).train_logprobs
+    v0 = PolicyTrainer(make_settings(tiny, tmp_path / "other")).score_trials(held).train_logprobs
     assert torch.equal(mine, theirs)
     assert (mine - v0).abs().max() > 1e-3  # the update changed the policy
 

@@ -223,12 +223,7 @@ def importance_weights(
         weights = torch.where(keep, weights, 0.0)
         capped = capped & keep
         n = keep.sum()
-        sum_w = weights.sum()
-        sum_w2 = (weights * weights).sum()
-        if int(n) == 0:
-            ess = torch.tensor(math.nan)
-        else:
-            ess = torch.where(sum_w2 > 0, sum_w * sum_w / (n * sum_w2).clamp(min=1e-30), 0.0)
+        ess = effective_sample_size(weights[keep])
         masked_ratio = ratio[keep]
         stats = {
             "ess": ess,
@@ -239,6 +234,17 @@ def importance_weights(
             "tokens": n,
         }
     return weights, stats
+
+
+def effective_sample_size(weights: Tensor) -> Scalar:
+    """ESS of importance weights [N] as a fraction of N: (Σw)²/(N·Σw²), in (0, 1] (1 = all equal); 0 when
+    every weight is 0, NaN without weights."""
+    with torch.no_grad():
+        w = weights.detach().double().reshape(-1)
+        if w.numel() == 0:
+            return torch.tensor(math.nan)
+        sum_w2 = (w * w).sum()
+        return torch.where(sum_w2 > 0, w.sum() ** 2 / (w.numel() * sum_w2).clamp(min=1e-30), 0.0).float()
 
 
 def policy_loss(

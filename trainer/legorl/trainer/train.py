@@ -45,6 +45,12 @@ class ScoredBatch:
     replayed: torch.Tensor
     """[N] bool: the token's routing was replayed from the rollout."""
 
+    def fidelity(self) -> dict[str, float]:
+        """Rollout vs. training agreement over these tokens (`loss.fidelity_stats`) and the replayed share."""
+        ones = torch.ones_like(self.train_logprobs)
+        stats = loss.fidelity_stats(self.train_logprobs[None], self.behavior_logprobs[None], ones[None])
+        return {**stats, "replayed_share": float(self.replayed.float().mean()), "tokens": float(ones.numel())}
+
 
 def resolve_device(settings: TrainerSettings) -> torch.device:
     """`cuda` when asked for or available (auto), else `cpu`; a clear error when cuda is asked but absent."""
@@ -154,6 +160,11 @@ class PolicyTrainer:
             behavior.append(micro.behavior_logprobs[mask])
             replayed.append(covered[mask])
         return ScoredBatch(torch.cat(train), torch.cat(behavior), torch.cat(replayed))
+
+    def score_trials(self, trials: Sequence[TrialRecord]) -> ScoredBatch:
+        """`score()` of every segment of `trials`, packed as a training step would pack them."""
+        sequences = data.sequences_from_trials(trials, {t.trial: 0.0 for t in trials})
+        return self.score(self._pack(sequences))
 
     # -- the update ------------------------------------------------------------------------------------
 
@@ -431,29 +442,19 @@ class _Accumulator:
     weights: list[torch.Tensor] = field(default_factory=list)
 
     def figures(self) -> dict[str, Any]:
-        train, behavior = torch.cat(self.train), torch.cat(self.behavior)
-        ones = torch.ones_like(train)
-        fid = loss.fidelity_stats(train[None], behavior[None], ones[None])
+        scored = ScoredBatch(torch.cat(self.train), torch.cat(self.behavior), torch.cat(self.replayed))
+        fid = scored.fidelity()
         return {
             "loss": self.loss,
             "entropy": self.entropy,
             "kl_ref": self.kl_ref,
             "clip_fraction": self.clip_fraction,
             "is_capped_share": self.capped_share,
-            "is_ess": _ess(torch.cat(self.weights)),
+            "is_ess": float(loss.effective_sample_size(torch.cat(self.weights))),
             "fidelity_pearson": fid["pearson"],
             "fidelity_mean_abs_logprob_delta": fid["mean_abs_logprob_delta"],
             "fidelity_max_abs_logprob_delta": fid["max_abs_logprob_delta"],
             "fidelity_kl": fid["kl"],
-            "replayed_token_share": float(torch.cat(self.replayed).float().mean()),
+            "replayed_token_share": fid["replayed_share"],
             "loss_tokens": self.loss_tokens,
         }
-
-
-def _ess(weights: torch.Tensor) -> float:
-    """Effective sample size of importance weights as a fraction of the tokens: (Σw)² / (N·Σw²)."""
-    if weights.numel() == 0:
-        return math.nan
-    w = weights.double()
-    denom = float(w.numel() * (w * w).sum())
-    return float(w.sum() ** 2) / denom if denom > 0 else 0.0
