@@ -35,7 +35,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from legorl.api.trajectory import TrialRecord  # noqa: E402
-from legorl.trainer.sampling import sample, to_trial  # noqa: E402
+from legorl.trainer.sampling import sample, to_trial, to_trials  # noqa: E402
 from legorl.trainer.settings import TrainerSettings  # noqa: E402
 from legorl.trainer.train import PolicyTrainer  # noqa: E402
 
@@ -113,10 +113,7 @@ def replay_rows(model_dir: Path, store: Path, device: str, new_tokens: int) -> l
         bf16.model, bf16.arch, prompts, max_new_tokens=new_tokens, generator=gen, record_routing=True
     )
     del bf16
-    trials = [
-        to_trial(s, run="fid", trial=f"b{i}", group_id="g", reward=0.0, step=1, policy_version="v0")
-        for i, s in enumerate(samples)
-    ]
+    trials = to_trials(samples, [0.0] * len(samples), run="fid", prefix="b", group_size=len(samples))
     for replay in ("Enabled", "Disabled"):
         fp32 = PolicyTrainer(settings_for(model_dir, store, replay=replay, device=device))
         rows.append(stats_row(f"(b) bf16 rollout vs fp32 recompute, replay {replay.lower()}", fp32, trials))
@@ -131,22 +128,8 @@ def replay_rows(model_dir: Path, store: Path, device: str, new_tokens: int) -> l
         sampler.model, sampler.arch, prompts, max_new_tokens=new_tokens, generator=g, record_routing=True
     )
     del sampler
-    held = [
-        to_trial(s, run="fid", trial=f"h{i}", group_id="h", reward=0.0, step=1, policy_version="v0")
-        for i, s in enumerate(rollout)
-    ]
-    batch = [
-        to_trial(
-            s,
-            run="fid",
-            trial=f"u{i}",
-            group_id=f"u{i // 8}",
-            reward=float(i % 3),
-            step=1,
-            policy_version="v0",
-        )
-        for i, s in enumerate(update)
-    ]
+    held = to_trials(rollout, [0.0] * len(rollout), run="fid", prefix="h", group_size=len(rollout))
+    batch = to_trials(update, [float(i % 3) for i in range(len(update))], run="fid", prefix="u", group_size=8)
     stale_rows = {}
     for replay in ("Enabled", "Disabled"):
         trainer = PolicyTrainer(
@@ -168,18 +151,9 @@ def overhead(model_dir: Path, store: Path, device: str, new_tokens: int, repeats
     g = torch.Generator().manual_seed(3)
     prompts = [p for p in PROMPTS for _ in range(8)]
     samples = sample(on.model, on.arch, prompts, max_new_tokens=new_tokens, generator=g, record_routing=True)
-    batch = [
-        to_trial(
-            s,
-            run="fid",
-            trial=f"o{i}",
-            group_id=f"o{i // 8}",
-            reward=float(i % 2),
-            step=1,
-            policy_version="v0",
-        )
-        for i, s in enumerate(samples)
-    ]
+    batch = to_trials(
+        samples, [float(i % 2) for i in range(len(samples))], run="fid", prefix="o", group_size=8
+    )
     times: dict[str, list[float]] = {"on": [], "off": []}
     for i in range(repeats + 1):
         for name, trainer in (("on", on), ("off", off)):

@@ -215,7 +215,7 @@ def _kept_share(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def check_fidelity_and_throughput(model_dir: Path, size: dict[str, Any], device: torch.device) -> None:
-    from legorl.trainer.sampling import sample, to_trial  # noqa: PLC0415
+    from legorl.trainer.sampling import sample, to_trials  # noqa: PLC0415
     from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
     from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
 
@@ -249,12 +249,8 @@ def check_fidelity_and_throughput(model_dir: Path, size: dict[str, Any], device:
     )
     report("bf16_rollout", seconds=time.perf_counter() - started, sequences=len(samples))
     del arch_vocab
-    trials = [
-        to_trial(
-            s, run="g", trial=f"t{i}", group_id=f"g{i // 4}", reward=float(i % 3), step=1, policy_version="v0"
-        )
-        for i, s in enumerate(samples)
-    ]
+    rewards = [float(i % 3) for i in range(len(samples))]
+    trials = to_trials(samples, rewards, run="g", prefix="t", group_size=4)
     for dtype in ("float32", "bfloat16"):
         for replay_mode in ("Enabled", "Disabled"):
             trainer = PolicyTrainer(settings(routing_replay=replay_mode, dtype=dtype))
@@ -281,7 +277,7 @@ def check_throughput(
     gen: torch.Generator,
 ) -> None:
     """Train-step time in bf16, replay on vs off (and full recomputation), on long sequences."""
-    from legorl.trainer.sampling import sample, to_trial  # noqa: PLC0415
+    from legorl.trainer.sampling import sample, to_trials  # noqa: PLC0415
     from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
 
     # Throughput: long random sequences (routing recorded on the model itself), bf16, replay on/off.
@@ -294,12 +290,8 @@ def check_throughput(
         probe.model, probe.arch, long_prompts, max_new_tokens=1, generator=gen, record_routing=True
     )
     del probe
-    long_trials = [
-        to_trial(
-            s, run="g", trial=f"l{i}", group_id=f"l{i // 4}", reward=float(i % 2), step=1, policy_version="v0"
-        )
-        for i, s in enumerate(long_samples)
-    ]
+    rewards = [float(i % 2) for i in range(len(long_samples))]
+    long_trials = to_trials(long_samples, rewards, run="g", prefix="l", group_size=4)
     for t in long_trials:  # train on every token, not only the one sampled
         seg = t.segments[0]
         seg.loss_mask[:] = [0] + [1] * (len(seg.token_ids) - 1)

@@ -132,3 +132,29 @@ def to_trial(
         policy_versions=[policy_version],
         num_turns=1,
     )
+
+
+def to_trials(
+    samples: Sequence[Sample],
+    rewards: Sequence[float],
+    *,
+    run: str,
+    prefix: str,
+    group_size: int,
+    step: int = 1,
+    policy_version: str = "v0",
+) -> list[TrialRecord]:
+    """`to_trial` for each sample: trial `<prefix><i>`, consecutive `group_size` samples form group
+    `<prefix>g<i // group_size>` (prompts repeated group_size times in a row, as the samplers here do)."""
+    return [
+        to_trial(
+            s,
+            run=run,
+            trial=f"{prefix}{i}",
+            group_id=f"{prefix}g{i // group_size}",
+            reward=reward,
+            step=step,
+            policy_version=policy_version,
+        )
+        for i, (s, reward) in enumerate(zip(samples, rewards, strict=True))
+    ]
