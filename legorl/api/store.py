@@ -10,6 +10,11 @@ under the store's root:
     weights/v7/PUBLISHED.json             written last: the version exists once this does
     metrics/trainer/step-000007.json      the trainer's figures of step 7
     trainer/state.json                    what a restarted trainer resumes from
+    trials/train/step-000007/<trial>.parquet   each finished trial, saved as it ends (the
+                                          controller's journal: a restart re-runs none of them)
+    trials/validation/step-000005/<trial>.parquet   held-out trials evaluating policy v5
+    evals/step-000005.json                held-out solve rate of policy v5, with its interval
+    controller/state.json                 the run controller's progress (for status and the UI)
     run.json                              the RLRun the store belongs to
 
 Object stores have no rename, so every commit is "data objects first, then one small JSON
@@ -72,6 +77,7 @@ MetricValue = float | int | str | None
 
 _VERSION_RE: Final = re.compile(r"v(0|[1-9][0-9]*)")
 _STEP_DIR_RE: Final = re.compile(r"step-([0-9]{6,})")
+_TRIAL_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class StoreError(RuntimeError):
@@ -528,6 +534,63 @@ class RunStore:
     def read_run_spec(self) -> dict[str, Any] | None:
         """The recorded RLRun (as JSON), or None before one was written."""
         return self._get_json("run.json")
+
+    # --- finished trials (the run controller's journal) ----------------------------------------
+    def save_trial(self, record: TrialRecord) -> None:
+        """Save one finished trial at once, so a restarted controller neither loses nor repeats it."""
+        if not _TRIAL_RE.fullmatch(record.trial):
+            raise StoreError(f"trial id {record.trial!r} cannot name an object in the store")
+        try:
+            table = trials_to_table([record])
+        except TrajectoryError as exc:
+            raise StoreError(f"trial {record.trial} breaks the trajectory contract: {exc}") from exc
+        sink = io.BytesIO()
+        pq.write_table(table, sink, compression="zstd")
+        self.write_object(
+            f"trials/{record.split}/{_step_dir(record.step)}/{record.trial}.parquet", sink.getvalue()
+        )
+
+    def saved_trials(self, split: str, step: int) -> list[TrialRecord]:
+        """Trials saved for `split` and `step`, by trial id."""
+        if split not in ("train", "validation"):
+            raise ValueError(f"split must be train or validation, got {split!r}")
+        paths = self._glob(f"trials/{split}/{_step_dir(step)}/*.parquet")
+        if not paths:
+            return []
+        records = []
+        for path, data in sorted(self.fs.cat(paths, on_error="omit").items()):
+            try:
+                records.extend(trials_from_table(pq.read_table(io.BytesIO(data))))
+            except (pa.ArrowInvalid, SchemaVersionError) as exc:
+                raise StoreError(f"{path} is unreadable ({exc}); delete it to re-run that trial") from exc
+        return sorted(records, key=lambda r: r.trial)
+
+    def saved_steps(self, split: str) -> list[int]:
+        """Steps with at least one saved trial of `split`, ascending."""
+        steps = set()
+        for path in self._glob(f"trials/{split}/step-*/*.parquet"):
+            match = _STEP_DIR_RE.fullmatch(posixpath.basename(posixpath.dirname(path)))
+            if match:
+                steps.add(int(match.group(1)))
+        return sorted(steps)
+
+    # --- evaluations and the controller's progress ------------------------------------------------
+    def write_eval(self, step: int, summary: Mapping[str, Any]) -> None:
+        """The held-out evaluation of policy version `step` (written once all its trials ended)."""
+        self.write_object(f"evals/{_step_dir(step)}.json", _json_bytes({"step": step, **summary}))
+
+    def read_evals(self) -> list[dict[str, Any]]:
+        """Every evaluation, by step."""
+        paths = self._glob("evals/step-*.json")
+        out = [json.loads(data) for data in self.fs.cat(paths, on_error="omit").values()] if paths else []
+        return sorted(out, key=lambda r: int(r["step"]))
+
+    def write_controller_state(self, state: Mapping[str, Any]) -> None:
+        """Replace the run controller's progress snapshot (what status and the UI show)."""
+        self.write_object("controller/state.json", _json_bytes(dict(state)))
+
+    def read_controller_state(self) -> dict[str, Any] | None:
+        return self._get_json("controller/state.json")
 
     # --- trainer metrics and state -------------------------------------------------------------
     def write_metrics(self, step: int, metrics: Mapping[str, MetricValue]) -> None:

@@ -1,0 +1,130 @@
+"""One trial record from what each part saw: the proxy's trajectory, the sandbox stages, the verifier.
+
+Both backends end a trial the same way: they know how the sandbox stages went (a reason from the
+sandbox's point of view, a reward from verify, tamper findings, stage timings) and they fetch the proxy's
+`GET /trajectory` (segments, the proxy's own end state, policy versions). `reconcile` decides the one
+termination reason the run store keeps; `build_record` assembles the `TrialRecord`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from legorl.api.termination import TerminationReason
+from legorl.api.trajectory import Segment, TamperFinding, TrialRecord
+
+from .backend import TrialRequest
+
+R = TerminationReason
+
+_SANDBOX_FINAL = frozenset({R.SANDBOX_ERROR, R.DEFENSE_FAILED, R.CANCELLED, R.VERIFIER_ERROR})
+"""The sandbox's verdicts that stand whatever the proxy saw (the trial never ran properly, or its work
+could not be scored)."""
+
+_PROXY_WINS = frozenset({R.TURN_LIMIT, R.CONTEXT_OVERFLOW, R.ENGINE_ERROR, R.PROXY_ERROR})
+"""Failures the proxy saw first-hand: they explain a harness exit better than its exit code does."""
+
+_FINDING_KINDS = frozenset(
+    {
+        "test_file_modified",
+        "test_hook_added",
+        "symlink",
+        "binary_patch",
+        "outside_repo",
+        "egress_attempt",
+        "results_tampered",
+    }
+)
+
+
+def reconcile(sandbox_reason: str, trajectory: Mapping[str, Any] | None) -> TerminationReason:
+    """The trial's termination reason.
+
+    `sandbox_reason` is the sandbox's view (`completed`/`agent_error` from the harness's exit code,
+    `agent_timeout`, `sandbox_error`, `defense_failed`, `verifier_error`, `cancelled`); the proxy's end
+    state (`trajectory["end"]`) names failures only it could see. Without a trajectory the proxy is
+    gone: a trial that otherwise ran is a `proxy_error` (its turns cannot be trusted or trained on).
+    """
+    reason = R(sandbox_reason)
+    if reason in _SANDBOX_FINAL:
+        return reason
+    if trajectory is None:
+        return R.PROXY_ERROR
+    end = trajectory.get("end") or {}
+    proxy_reason = end.get("reason")
+    if proxy_reason is not None and R(proxy_reason) in _PROXY_WINS:
+        return R(proxy_reason)
+    return reason
+
+
+def segments_from(trajectory: Mapping[str, Any] | None) -> list[Segment]:
+    """Segments of `GET /trajectory` (rows in the run store's own layout)."""
+    if trajectory is None:
+        return []
+    rows = trajectory.get("segments") or []
+    if not isinstance(rows, list):  # `?tokens=false` summaries carry a count
+        raise ValueError("the trajectory was fetched without tokens (?tokens=false)")
+    return [Segment.from_row(row) for row in rows]
+
+
+def findings_from(items: Sequence[Mapping[str, Any]]) -> list[TamperFinding]:
+    """Tamper findings as the sandbox reports them (`kind`, `path`, `detail`); unknown kinds are kept as
+    `outside_repo` with the original kind in the detail, never dropped."""
+    out = []
+    for item in items:
+        kind = str(item.get("kind", ""))
+        detail = str(item.get("detail", ""))
+        if kind not in _FINDING_KINDS:
+            detail, kind = f"{kind}: {detail}", "outside_repo"
+        out.append(TamperFinding(kind=kind, path=item.get("path"), detail=detail))  # type: ignore[arg-type]
+    return out
+
+
+def build_record(
+    request: TrialRequest,
+    *,
+    run: str,
+    harness: str,
+    reason: TerminationReason,
+    reward: float | None,
+    trajectory: Mapping[str, Any] | None,
+    started_at: datetime,
+    ended_at: datetime,
+    findings: Sequence[Mapping[str, Any]] = (),
+    stage_seconds: Mapping[str, float] | None = None,
+    error: str | None = None,
+) -> TrialRecord:
+    """The record the run store keeps. Infrastructure failures keep no reward (they are never trained
+    on); agent outcomes without a verifier result get 0 only when verify said so."""
+    segments = segments_from(trajectory)
+    if reason in (R.SANDBOX_ERROR, R.DEFENSE_FAILED, R.CANCELLED, R.VERIFIER_ERROR, R.PROXY_ERROR):
+        reward = None
+    if reason == R.ENGINE_ERROR:
+        reward = None
+    versions = list((trajectory or {}).get("policyVersions") or [])
+    if not versions and segments:
+        for seg in segments:
+            versions.extend(v for v in seg.policy_versions if v not in versions)
+    merged = (trajectory or {}).get("mergedTurnShare")
+    return TrialRecord(
+        run=run,
+        trial=request.trial,
+        task_id=request.task.instance_id,
+        group_id=request.group_id,
+        split=request.split,
+        step=request.step,
+        harness=harness,
+        termination_reason=reason,
+        reward=reward,
+        started_at=started_at,
+        ended_at=ended_at,
+        segments=segments,
+        tamper_findings=findings_from(findings),
+        policy_versions=versions,
+        num_turns=int((trajectory or {}).get("turns") or 0),
+        merged_turn_share=float(merged) if merged is not None else None,
+        stage_seconds=dict(stage_seconds or {}),
+        error=error[-4000:] if error else None,
+    )

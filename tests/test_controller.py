@@ -1,0 +1,321 @@
+"""The run controller's loop against a scripted backend and a stand-in trainer.
+
+The backend here is a fake on purpose: it returns records whose rewards the test chooses, so the loop's
+bookkeeping (plans, batches, evaluations, resume, stop conditions, staleness) can be checked exactly. The
+real backends run in tests/test_embedded_run.py (local processes, vLLM, mini-swe-agent, Megatron) and
+tests/test_operator_controller.py (kopf against the API mock).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from legorl.api.kinds import RLRun
+from legorl.api.store import RunStore, policy_version
+from legorl.api.termination import TerminationReason
+from legorl.api.trajectory import Segment, TrialRecord
+from legorl.controller.backend import TrialRequest
+from legorl.controller.loop import RunController
+from legorl.controller.plan import PlanError, TaskPlan, wilson_interval
+from legorl.controller.records import reconcile
+from legorl.sandbox.task import Task, TaskSet
+
+NOW = datetime(2026, 12, 1, tzinfo=UTC)
+
+
+def _task(i: int) -> Task:
+    return Task(
+        instance_id=f"task-{i:02d}",
+        repo="r",
+        base_commit="0" * 40,
+        problem_statement="fix it",
+        test_patch="",
+        fail_to_pass=("tests/test_x.py::test_a",),
+        pass_to_pass=(),
+    )
+
+
+def task_set(n: int = 10) -> TaskSet:
+    return TaskSet(tasks=tuple(_task(i) for i in range(n)), root=Path("/nonexistent"))
+
+
+def make_run(**spec: Any) -> RLRun:
+    body: dict[str, Any] = {
+        "policy": {"checkpoint": {"uri": "builtin://tiny-moe"}},
+        "harness": {"kind": "MiniSweAgent"},
+        "tasks": {"source": {"uri": "builtin://tiny-python"}, "split": {"heldOutPercent": 20}, "seed": 3},
+        "algorithm": {"groupSize": 2, "tasksPerStep": 2},
+        "schedule": {"mode": "Sync", "maxConcurrentTrials": 3},
+        "stop": {"maxSteps": 3},
+        "evaluation": {"intervalSteps": 2, "trialsPerTask": 2},
+    }
+    for key, value in spec.items():
+        if isinstance(value, dict) and isinstance(body.get(key), dict):
+            body[key] = {**body[key], **value}
+        else:
+            body[key] = value
+    return RLRun.model_validate(
+        {"apiVersion": "legorl.dev/v1alpha1", "kind": "RLRun", "metadata": {"name": "t"}, "spec": body}
+    )
+
+
+Reward = Callable[[TrialRequest], tuple[TerminationReason, float | None]]
+
+
+class ScriptedBackend:
+    """Finishes launched trials after `delay` polls with the reward `reward(request)` chooses; the served
+    version at the end of the trial is recorded as the proxy would."""
+
+    def __init__(self, store: RunStore, reward: Reward, served: Callable[[], int]) -> None:
+        self.store = store
+        self.reward = reward
+        self.served = served
+        self.launched: list[TrialRequest] = []
+        self.live: dict[str, TrialRequest] = {}
+        self.cancelled: list[str] = []
+        self.on_launch: Callable[[TrialRequest], None] | None = None
+
+    def launch(self, request: TrialRequest) -> None:
+        self.launched.append(request)
+        self.live[request.trial] = request
+        if self.on_launch is not None:
+            self.on_launch(request)
+
+    def collect(self, timeout: float) -> list[TrialRecord]:
+        out = []
+        for trial, request in list(self.live.items())[:2]:
+            del self.live[trial]
+            cancelled = trial in self.cancelled
+            reason, reward = (TerminationReason.CANCELLED, None) if cancelled else self.reward(request)
+            versions = sorted({request.policy_version, policy_version(self.served())})
+            seg = Segment(
+                index=0,
+                token_ids=[1, 2, 3],
+                loss_mask=[0, 1, 1],
+                behavior_logprobs=[0.0, -0.5, -0.5],
+                turn_indices=[0],
+                policy_versions=versions,
+            )
+            out.append(
+                TrialRecord(
+                    run="t",
+                    trial=trial,
+                    task_id=request.task.instance_id,
+                    group_id=request.group_id,
+                    split=request.split,
+                    step=request.step,
+                    harness="MiniSweAgent",
+                    termination_reason=reason,
+                    reward=reward,
+                    started_at=NOW,
+                    ended_at=NOW,
+                    segments=[seg],
+                    policy_versions=versions,
+                    stage_seconds={"agent": 1.0, "verify": 0.5},
+                )
+            )
+        return out
+
+    def running(self) -> list[str]:
+        return list(self.live)
+
+    def adopt(self) -> list[TrialRequest]:
+        return []
+
+    def prefetch(self, tasks: Sequence[Task]) -> None:
+        pass
+
+    def cancel(self, trial: str) -> None:
+        self.cancelled.append(trial)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeTrainer:
+    """Stands in for the trainer: serves step N once batch N is committed (after `lag` polls), writing the
+    trainer state the real TrainingService writes."""
+
+    def __init__(self, store: RunStore, lag: int = 0) -> None:
+        self.store = store
+        self.lag = lag
+        self.step = 0
+        self._polls = 0
+
+    def served_step(self) -> int:
+        committed = self.store.committed_steps()
+        if committed and committed[-1] > self.step and self.step + 1 in committed:
+            self._polls += 1
+            if self._polls > self.lag:
+                self._polls = 0
+                self.step += 1
+                self.store.write_trainer_state({"step": self.step, "policy_version": policy_version(self.step)})
+        return self.step
+
+    def error(self) -> str | None:
+        return None
+
+
+def alternating(request: TrialRequest) -> tuple[TerminationReason, float | None]:
+    replica = int(request.trial.rsplit("-r", 1)[1])
+    return TerminationReason.COMPLETED, float(replica % 2)
+
+
+def controller(
+    tmp_path: Path, run: RLRun, reward: Reward = alternating, lag: int = 0, n: int = 10
+) -> tuple[RunController, ScriptedBackend, FakeTrainer, RunStore]:
+    store = RunStore(str(tmp_path / "store"))
+    trainer = FakeTrainer(store, lag=lag)
+    backend = ScriptedBackend(store, reward, lambda: trainer.step)
+    ctl = RunController(run, store=store, backend=backend, task_set=task_set(n), trainer=trainer, poll_seconds=0.0)
+    return ctl, backend, trainer, store
+
+
+def test_plan_is_reproducible_and_splits_the_tasks() -> None:
+    run = make_run(tasks={"epochs": 2})
+    a = TaskPlan.from_spec(run.spec, task_set())
+    b = TaskPlan.from_spec(run.spec, task_set())
+    assert a == b
+    assert len(a.held_out) == 2
+    assert not {t.instance_id for t in a.held_out} & {t.instance_id for t in a.train}
+    assert len(a.train) == 16  # 8 tasks x 2 epochs, each epoch once
+    assert sorted(t.instance_id for t in a.train[:8]) == sorted(t.instance_id for t in a.train[8:])
+    assert a.available_steps == 8
+    requests = a.step_requests(1, "v0")
+    assert [r.trial for r in requests] == ["s1-t0-r0", "s1-t0-r1", "s1-t1-r0", "s1-t1-r1"]
+    assert requests[0].group_id == requests[1].group_id != requests[2].group_id
+    other = TaskPlan.from_spec(make_run(tasks={"seed": 4, "epochs": 2}).spec, task_set())
+    assert other.train != a.train
+
+
+def test_plan_refuses_what_cannot_run() -> None:
+    with pytest.raises(PlanError, match="not in the task set"):
+        TaskPlan.from_spec(make_run(tasks={"split": {"heldOutTaskIds": ["nope"]}}).spec, task_set())
+    ids = [f"task-{i:02d}" for i in range(3)]
+    with pytest.raises(PlanError, match="every task is held out"):
+        TaskPlan.from_spec(make_run(tasks={"split": {"heldOutTaskIds": ids}}).spec, task_set(3))
+
+
+def test_wilson_interval() -> None:
+    low, high = wilson_interval(0, 10)
+    assert low == 0.0 and 0.25 < high < 0.35
+    low, high = wilson_interval(5, 10)
+    assert low < 0.5 < high
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_reconcile_prefers_what_the_proxy_saw() -> None:
+    ended = {"end": {"reason": "turn_limit"}}
+    assert reconcile("agent_error", ended) == TerminationReason.TURN_LIMIT
+    assert reconcile("completed", {"end": {"reason": "completed"}}) == TerminationReason.COMPLETED
+    assert reconcile("defense_failed", ended) == TerminationReason.DEFENSE_FAILED
+    assert reconcile("completed", None) == TerminationReason.PROXY_ERROR
+
+
+def test_sync_run_commits_every_step_and_evaluates(tmp_path: Path) -> None:
+    ctl, backend, trainer, store = controller(tmp_path, make_run())
+    outcome = ctl.run()
+    assert (outcome.state, outcome.reason) == ("Succeeded", "MaxSteps"), outcome.message
+    assert store.committed_steps() == [1, 2, 3]
+    for step in (1, 2, 3):
+        batch = store.read_batch(step)
+        assert len(batch.trials) == 4
+        # Sync mode: every trial of step s ran on v(s-1), and nothing straddled a swap.
+        assert {v for t in batch.trials for v in t.policy_versions} == {policy_version(step - 1)}
+        assert batch.ref.meta["zero_variance_groups"] == 0
+        assert batch.ref.meta["reward_mean"] == 0.5
+    evals = store.read_evals()
+    assert [e["step"] for e in evals] == [0, 2, 3]  # at start, every 2 versions, and the final one
+    assert all(e["trials"] == 4 and e["solve_rate"] == 0.5 for e in evals)
+    assert len(backend.launched) == 3 * 4 + 3 * 4
+    assert len({r.trial for r in backend.launched}) == len(backend.launched)
+    assert ctl.progress.trials_total == 12
+    assert ctl.progress.baseline_solve_rate == 0.5
+    assert store.read_controller_state()["step"] == 3
+
+
+def test_a_restart_reruns_no_finished_trial(tmp_path: Path) -> None:
+    run = make_run()
+    ctl, backend, _, store = controller(tmp_path, run)
+
+    def stop_midway(request: TrialRequest) -> None:
+        if request.trial == "s2-t0-r1":
+            ctl.stop()
+
+    backend.on_launch = stop_midway
+    outcome = ctl.run()
+    assert outcome.state == "Stopped"
+    assert store.committed_steps() == [1]
+    first = {r.trial for r in backend.launched} - set(backend.cancelled)
+    assert backend.cancelled  # trials running at the stop were cancelled ...
+    saved = {r.trial for r in store.saved_trials("train", 2)}
+    assert not saved & set(backend.cancelled)  # ... and not saved: they run again
+
+    ctl2, backend2, _, _ = controller(tmp_path, run)
+    ctl2.trainer.step = 1  # type: ignore[attr-defined]
+    outcome = ctl2.run()
+    assert outcome.reason == "MaxSteps", outcome.message
+    again = {r.trial for r in backend2.launched}
+    assert not again & (first & {f"s1-t{i}-r{k}" for i in range(2) for k in range(2)})
+    assert not again & saved
+    assert store.committed_steps() == [1, 2, 3]
+    assert ctl2.progress.trials_total == 12
+
+
+def test_async_runs_ahead_within_the_staleness_limit(tmp_path: Path) -> None:
+    run = make_run(schedule={"mode": "Async", "maxStalenessSteps": 1}, evaluation={"atStart": "Disabled"})
+    ctl, backend, trainer, store = controller(tmp_path, run, lag=3)
+    seen: list[tuple[int, int]] = []
+    backend.on_launch = lambda r: seen.append((r.step, trainer.step)) if r.split == "train" else None
+    outcome = ctl.run()
+    assert outcome.reason == "MaxSteps", outcome.message
+    assert store.committed_steps() == [1, 2, 3]
+    # Trials of step s start while the fleet serves v(s-2) at the oldest.
+    assert all(step - 1 - served <= 1 for step, served in seen)
+    assert any(step - 1 - served == 1 for step, served in seen), seen
+
+
+def test_infra_failures_fail_the_run(tmp_path: Path) -> None:
+    def broken(request: TrialRequest) -> tuple[TerminationReason, float | None]:
+        return TerminationReason.SANDBOX_ERROR, None
+
+    ctl, _, _, store = controller(tmp_path, make_run(evaluation={"atStart": "Disabled"}), reward=broken)
+    outcome = ctl.run()
+    assert (outcome.state, outcome.reason) == ("Failed", "InfraFailures")
+    assert "4 of 4 trials" in outcome.message and "sandbox_error 4" in outcome.message
+    assert store.committed_steps() == [1]  # kept for the UI; the trainer drops them
+
+
+def test_target_reward_ends_the_run(tmp_path: Path) -> None:
+    def solved(request: TrialRequest) -> tuple[TerminationReason, float | None]:
+        return TerminationReason.COMPLETED, 1.0
+
+    run = make_run(stop={"maxSteps": 3, "targetReward": "0.9"}, evaluation={"atStart": "Disabled"})
+    ctl, _, _, store = controller(tmp_path, run, reward=solved)
+    outcome = ctl.run()
+    assert outcome.reason == "TargetReward", outcome.message
+    assert store.committed_steps() == [1]
+    assert ctl.progress.zero_variance_groups == 2
+
+
+def test_trainer_failure_stops_the_run(tmp_path: Path) -> None:
+    ctl, _, trainer, _ = controller(tmp_path, make_run())
+    trainer.error = lambda: "out of memory"  # type: ignore[method-assign]
+    outcome = ctl.run()
+    assert (outcome.state, outcome.reason) == ("Failed", "TrainerFailed")
+    assert "out of memory" in outcome.message
+
+
+def test_stop_from_another_thread(tmp_path: Path) -> None:
+    ctl, backend, _, _ = controller(tmp_path, make_run(stop={"maxSteps": 100}, tasks={"epochs": 50}))
+    timer = threading.Timer(0.5, ctl.stop)
+    timer.start()
+    outcome = ctl.run()
+    timer.join()
+    assert outcome.state == "Stopped"
