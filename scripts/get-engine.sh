@@ -24,6 +24,8 @@ if ! .venv/bin/python -c 'import vllm' 2>/dev/null; then
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
 fi
 .venv/bin/python -c 'import minisweagent' >/dev/null 2>&1 || "${PIP[@]}" -e '.[harnesses]'
+# `legorl run` starts one `legorl proxy` per trial.
+.venv/bin/python -c 'import legorl.proxy.app' >/dev/null 2>&1 || "${PIP[@]}" -e '.[proxy]'
 # The trainer's extra after the engine, so its torch requirement is met by the CPU build above
 # rather than pulling a CUDA torch from PyPI.
 .venv/bin/python -c 'import megatron.core' >/dev/null 2>&1 || "${PIP[@]}" -e '.[trainer]'

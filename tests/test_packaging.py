@@ -71,10 +71,13 @@ def test_wheel_holds_only_the_legorl_namespace(repo: Path, tmp_path: Path) -> No
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/", 1)[0] for name in names}
     assert top == {"legorl", f"legorl-{metadata.version('legorl')}.dist-info"}, top
-    for package in ("api", "cli", "manifests", "operator", "proxy", "trainer"):
+    for package in ("api", "cli", "manifests", "operator", "proxy", "trainer", "controller", "embedded"):
         assert f"legorl/{package}/__init__.py" in names
     assert not any(name.startswith("legorl/__init__") for name in names), "legorl must stay a namespace"
     assert "legorl/api/py.typed" in names
+    # `legorl run` finds the harness launcher and the compact mini-swe-agent settings in the package.
+    assert "legorl/sandbox/legorl-harness" in names
+    assert "legorl/controller/harness/mini.yaml" in names
 
 
 def test_extras_keep_the_ml_stack_out_of_operator_and_proxy(repo: Path) -> None:

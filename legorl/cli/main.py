@@ -184,6 +184,18 @@ def _run_train(argv: Sequence[str]) -> int:
     return train_main(argv)
 
 
+def _run_embedded(argv: Sequence[str]) -> int:
+    from legorl.embedded.runner import main as run_main  # noqa: PLC0415 - imports the engine stack
+
+    return run_main(list(argv))
+
+
+def _run_sft(argv: Sequence[str]) -> int:
+    from legorl.trainer.sft import main as sft_main  # noqa: PLC0415 - imports torch
+
+    return sft_main(list(argv))
+
+
 def _cmd_crds(args: argparse.Namespace) -> int:
     from legorl.manifests.generated import stale_files, write_generated  # noqa: PLC0415
 
@@ -331,6 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     p.set_defaults(func=lambda _args: _run_train(["--help"]))
+    p = sub.add_parser(
+        "run",
+        help="run an RLRun end to end on this machine: vLLM, sandboxed trials, trainer (`legorl run --help`)",
+        add_help=False,
+    )
+    p.set_defaults(func=lambda _args: _run_embedded(["--help"]))
+    p = sub.add_parser(
+        "sft",
+        help="warm-start a tiny policy on synthetic harness demonstrations (`legorl sft --help`)",
+        add_help=False,
+    )
+    p.set_defaults(func=lambda _args: _run_sft(["--help"]))
 
     p = sub.add_parser("version", help="print versions")
     p.set_defaults(func=_cmd_version)
@@ -343,6 +367,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_proxy(argv[1:])
     if argv[:1] == ["train"]:
         return _run_train(argv[1:])
+    if argv[:1] == ["run"]:
+        return _run_embedded(argv[1:])
+    if argv[:1] == ["sft"]:
+        return _run_sft(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

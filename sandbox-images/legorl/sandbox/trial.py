@@ -12,7 +12,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,8 +159,10 @@ class _Trial:
         env: Mapping[str, str] | None,
         seconds: float,
         probes: Sequence[str],
+        extra_binds: Sequence[tuple[str, str]] = (),
     ) -> bool:
-        """Stage 2; False when the sandbox's own self-test failed."""
+        """Stage 2; False when the sandbox's own self-test failed. `extra_binds` (host, inside) are
+        mounted read-only (a harness runtime, its configuration)."""
         backend, task, out = self.backend, self.task, self.out
         ws = self.dir / "workspace"
         egress_locked = backend.defenses.egress == "ProxyOnly"
@@ -168,6 +170,7 @@ class _Trial:
             if backend.is_root:
                 workspace.make_agent_owned(ws, uid, uid)
             binds = [(str(ws), task.workspace_dir, True), (str(self.dir / "task"), TASK_DIR, False)]
+            binds += [(host, inside, False) for host, inside in extra_binds]
             inner: list[str] = []
             if proxy_socket is not None:
                 binds.append((str(proxy_socket), PROXY_SOCKET, True))
@@ -301,6 +304,23 @@ class _Trial:
         (outcomes / f"{self.out.trial}.json").write_text(json.dumps(self.out.to_dict(), indent=1))
 
 
+def discard_trial_folder(backend: LocalBackend, trial_id: str) -> bool:
+    """Remove what a killed earlier attempt of `trial_id` left (its tmpfs mounts and folder) so the trial
+    can run again; True when there was something. Only for trials no process runs any more."""
+    if not TRIAL_ID.match(trial_id):
+        raise ValueError(f"trial id {trial_id!r} names no trial folder")
+    trial_dir = backend.root / "trials" / trial_id
+    if not trial_dir.exists():
+        return False
+    prefix = str(trial_dir.resolve()) + "/"
+    with open("/proc/self/mounts", encoding="utf-8") as mounts:  # noqa: PTH123 - a procfs file
+        points = [line.split()[1] for line in mounts if len(line.split()) > 1]
+    for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+        backend.unmount(Path(point))
+    shutil.rmtree(trial_dir, ignore_errors=True)
+    return True
+
+
 def run_local_trial(
     backend: LocalBackend,
     task_set: TaskSet,
@@ -314,11 +334,16 @@ def run_local_trial(
     verify_seconds: float = 1800,
     probes: Sequence[str] = (),
     keep: bool = False,
+    extra_binds: Sequence[tuple[str, str]] = (),
+    after_agent: Callable[[TrialOutcome], None] | None = None,
 ) -> TrialOutcome:
     """Run the stages of one trial; every failure is classified, nothing is left running.
 
     `probes` (HOST:PORT) are extra addresses the sandbox's egress self-test must find unreachable
-    (the engine's address, say). The outcome is also written to `<root>/outcomes/<trial>.json`."""
+    (the engine's address, say). `extra_binds` (host path, sandbox path) are mounted read-only in the
+    agent's sandbox. `after_agent` is called once the agent stage ended and before verify (the run
+    controller tells the proxy how the harness exited). The outcome is also written to
+    `<root>/outcomes/<trial>.json`."""
     if not TRIAL_ID.match(trial_id):
         raise ValueError(
             f"trial id {trial_id!r}: use 1-128 letters, digits, '.', '_' or '-' (it names folders)"
@@ -336,9 +361,16 @@ def run_local_trial(
         if staged is None:
             return out
         if not trial.agent(
-            agent_argv, proxy_socket=proxy_socket, env=env, seconds=agent_seconds, probes=probes
+            agent_argv,
+            proxy_socket=proxy_socket,
+            env=env,
+            seconds=agent_seconds,
+            probes=probes,
+            extra_binds=extra_binds,
         ):
             return out
+        if after_agent is not None:
+            after_agent(out)
         return trial.verify(staged, verify_seconds)
     except SandboxError as exc:
         return trial.fail("sandbox_error", str(exc))

@@ -91,6 +91,7 @@ class TrainingService:
             self.resumed_from = latest.step
             log.info("resumed from the checkpoint of step %d (%s)", latest.step, latest.uri)
         published = set(self.store.published_versions())
+        recorded = {int(m["step"]) for m in self.store.read_metrics()}
         # Steps after the checkpoint whose weights the fleet may already serve: re-train them from their
         # batches so the optimizer state matches, but publish nothing again.
         while policy_version(self.trainer.step + 1) in published:
@@ -100,8 +101,10 @@ class TrainingService:
             log.info("re-training step %d from its committed batch (published before the restart)", step)
             figures = self.trainer.train_step(self.store.read_batch(step).trials, step=step)
             figures["retrained_on_resume"] = 1
-            # A crash between publishing and recording the step left no figures and a stale pointer.
-            self.store.write_metrics(step, _flat(figures))
+            # A crash between publishing and recording the step left no figures and a stale pointer; figures
+            # that were recorded stay (they describe the step as it was published and synced).
+            if step not in recorded:
+                self.store.write_metrics(step, _flat(figures))
             self._write_state(step, None)
         self._catch_up_fleet()
 

@@ -1,0 +1,1 @@
+"""The embedded default: the whole loop on one machine (`legorl run`), no cluster and no GPU needed."""
