@@ -173,7 +173,8 @@ class RunReason(DocumentedEnum):
     NOT_STARTED = "NotStarted", "The run has not started its loop yet."
     CONTROLLER_PENDING = (
         "ControllerPending",
-        "The trainer workload exists but this operator build has no run controller to drive the loop.",
+        "The run controller cannot start its loop yet (task set or run store unreachable); the "
+        "message says why.",
     )
     WAITING_FOR_DEPENDENCIES = (
         "WaitingForDependencies",
@@ -191,10 +192,15 @@ class RunReason(DocumentedEnum):
     MAX_STEPS_REACHED = "MaxStepsReached", "stop.maxSteps was reached."
     TARGET_REWARD_REACHED = (
         "TargetRewardReached",
-        "stop.targetReward was reached on the validation split.",
+        "A training step's mean reward reached stop.targetReward.",
     )
     MAX_DURATION_REACHED = "MaxDurationReached", "stop.maxDurationSeconds elapsed."
     EVALUATION_COMPLETE = "EvaluationComplete", "An Evaluate run scored every task."
+    TASKS_EXHAUSTED = "TasksExhausted", "Every training task was used for tasks.epochs epochs."
+    BACKEND_FAILED = (
+        "BackendFailed",
+        "Trials could not be run at all (the message says why); the operator retries.",
+    )
     TRAINER_FAILED = (
         "TrainerFailed",
         "The trainer exited with an error; the message has its last lines.",

@@ -233,6 +233,7 @@ class RunController:
                 if self._eval_due(served, final=True):
                     self._plan_eval(served)
                 else:
+                    self._cancel_all()  # steps planned past a target reward reached meanwhile
                     return self._finished(served)
             outcome = self._advance(served, committed)
             if outcome is not None:
@@ -406,7 +407,7 @@ class RunController:
             groups.setdefault(r.group_id, []).append(float(r.reward or 0.0))
         zero_var = sum(1 for rewards in groups.values() if max(rewards) == min(rewards))
         reward_mean = sum(sum(g) for g in groups.values()) / len(kept) if kept else None
-        versions = sorted({v for r in records for v in r.policy_versions}, key=parse_policy_version)
+        versions = sorted({v for r in records for v in r.policy_versions}, key=_version_key)
         by_reason = dict(sorted(Counter(r.termination_reason.value for r in records).items()))
         meta: dict[str, Any] = {
             "trials": len(records),
@@ -537,6 +538,14 @@ class RunController:
             log.warning("could not write the controller's progress: %s", exc)
         if self.on_progress is not None:
             self.on_progress(self.progress)
+
+
+def _version_key(version: str) -> tuple[int, str]:
+    """Sort key for recorded versions, tolerant of names the proxy or an engine may report (`unknown`)."""
+    try:
+        return (parse_policy_version(version), version)
+    except ValueError:
+        return (-1, version)
 
 
 def _number(value: Any) -> float | None:

@@ -1,6 +1,7 @@
 """Kopf glue: watch streams feed the store (async handlers: they run on the event loop, never in
 kopf's thread pool, so the store needs no locks); create/update/resume reconcile at once; a
-background loop reconciles whatever changed; a daemon per RLRun holds the run controller's place.
+background loop reconciles whatever changed; a daemon per RLRun runs the run controller
+(`legorl.operator.runs`), whose trial and verify pods the pod watch also feeds to `TrialPods`.
 
 Handlers stay short: the work is in `reconcile.Reconciler`.
 """
@@ -21,7 +22,9 @@ from legorl.api._base import API_GROUP, API_VERSION
 from legorl.operator.kube import RESOURCES, KubeClient, credentials_from_kopf
 from legorl.operator.reconcile import Reconciler, TransientError
 from legorl.operator.render.common import MANAGED_BY
+from legorl.operator.runs import RunDaemon, trial_settings
 from legorl.operator.store import CUSTOM_KINDS, ObjectKey
+from legorl.operator.trials import TrialPods
 
 log = logging.getLogger("legorl.operator")
 
@@ -83,6 +86,8 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
         reconciler = _reconciler(memo)
         reconciler.settle_until = time.monotonic() + reconciler.settings.settle_seconds
         memo["stopping"] = asyncio.Event()
+        if not isinstance(memo.get("trial_pods"), TrialPods):
+            memo["trial_pods"] = TrialPods()
         memo["loop"] = asyncio.get_running_loop().create_task(_resync_loop(_reconciler(memo)))
 
     @kopf.on.cleanup(registry=registry)
@@ -107,35 +112,27 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
 
     @kopf.on.event("", "v1", "pods", labels=MANAGED, registry=registry, id="watch-pods")
     async def pod_event(event: kopf.RawEvent, namespace: str | None, memo: Any, **_: Any) -> None:
-        _reconciler(memo).store.pod_event(namespace or "", event["object"], event.get("type") == "DELETED")
+        deleted = event.get("type") == "DELETED"
+        _reconciler(memo).store.pod_event(namespace or "", event["object"], deleted)
+        trial_pods = memo.get("trial_pods")
+        if isinstance(trial_pods, TrialPods):
+            trial_pods.update(namespace or "", event["object"], deleted)
 
     for kind in CUSTOM_KINDS:
         _register_custom(registry, kind)
 
     @kopf.daemon(API_GROUP, API_VERSION, "rlruns", registry=registry)
     async def run_controller(
-        stopped: kopf.DaemonStopped,
-        name: str,
-        memo: Any,
-        logger: logging.Logger | logging.LoggerAdapter[Any],
-        **_: Any,
+        stopped: kopf.DaemonStopped, namespace: str | None, name: str, memo: Any, **_: Any
     ) -> None:
-        """The run controller's place: the RL loop of one RLRun runs here once it exists.
-
-        Until then the run's status says `Training=False, reason=ControllerPending`.
-        """
-        logger.debug("no run controller in this build for RLRun %s; its status says ControllerPending", name)
-        # Wait for this daemon's stop, or the operator's: kopf may respawn a daemon for a late event
+        """The run controller of one RLRun: the RL loop, once its fleet and pool are ready."""
+        key: ObjectKey = ("RLRun", namespace or "", name)
+        daemon = RunDaemon(
+            key, reconciler=_reconciler(memo), pods=memo["trial_pods"], settings=trial_settings(memo)
+        )
+        # The operator's stop as well as this daemon's: kopf may respawn a daemon for a late event
         # while shutting down, and that one would otherwise sit until kopf cancels it.
-        waits = [
-            asyncio.ensure_future(stopped.wait()),
-            asyncio.ensure_future(memo["stopping"].wait()),
-        ]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waits:
-                waiter.cancel()
+        await daemon.serve(stopped, memo["stopping"])
 
     return registry
 

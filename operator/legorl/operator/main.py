@@ -40,7 +40,11 @@ def kopf_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
 def make_reconciler(settings: OperatorSettings) -> Reconciler:
     return Reconciler(
         settings=settings,
-        ctx=RenderContext(images=settings.images, default_store_uri=settings.default_store_uri),
+        ctx=RenderContext(
+            images=settings.images,
+            default_store_uri=settings.default_store_uri,
+            operator_namespace=settings.operator_namespace,
+        ),
     )
 
 

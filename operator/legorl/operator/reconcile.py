@@ -33,7 +33,7 @@ from legorl.operator.render.run import fleet_name, pool_name, render_run, store_
 from legorl.operator.settings import OperatorSettings
 from legorl.operator.status.fleet import compute_fleet_status
 from legorl.operator.status.pool import compute_pool_status
-from legorl.operator.status.run import compute_run_status, deadline, is_terminal
+from legorl.operator.status.run import ControllerReport, compute_run_status, deadline, is_terminal
 from legorl.operator.store import ObjectKey, Store
 
 log = logging.getLogger("legorl.operator")
@@ -96,6 +96,8 @@ class Reconciler:
     """Whether optional APIs (LeaderWorkerSet) have been looked up since login."""
     settle_until: float = 0.0
     """Monotonic time before which nothing is reconciled (the watches are still listing)."""
+    controllers: dict[ObjectKey, ControllerReport] = field(default_factory=dict)
+    """What each run's controller daemon last reported (`legorl.operator.runs`); read into its status."""
     _slots: asyncio.Semaphore | None = None
     _discovery: asyncio.Lock | None = None
 
@@ -435,6 +437,7 @@ class Reconciler:
             pool=pool if isinstance(pool, SandboxPool) else None,
             problems=problems,
             store_uri=store_uri(run, self.ctx),
+            controller=self.controllers.get(key),
         )
         terminal = terminal or is_terminal(status.conditions)
         # A failed preflight starts nothing new and keeps what exists: a later fix of a typo

@@ -23,6 +23,9 @@ class OperatorSettings:
     """kopf peering name for several replicas (one active at a time); None runs standalone."""
     images: Images = field(default_factory=Images)
     default_store_uri: str = "pvc://legorl-store/runs"
+    operator_namespace: str | None = None
+    """Where the operator's own pods run (the chart's `LEGORL_OPERATOR_NAMESPACE`): each run's
+    NetworkPolicy admits them to its trial pods' proxy port, the one way results leave a trial."""
     resync_seconds: float = 300.0
     """Every object is re-read from the watch cache and fully re-applied at least this often."""
     debounce_seconds: float = 0.5
@@ -46,4 +49,5 @@ def from_environment(base: OperatorSettings, env: Mapping[str, str] | None = Non
         sandbox_init=env.get("LEGORL_SANDBOX_INIT_IMAGE") or base.images.sandbox_init,
     )
     store = env.get("LEGORL_DEFAULT_STORE_URI") or base.default_store_uri
-    return replace(base, images=images, default_store_uri=store)
+    namespace = env.get("LEGORL_OPERATOR_NAMESPACE") or base.operator_namespace
+    return replace(base, images=images, default_store_uri=store, operator_namespace=namespace)

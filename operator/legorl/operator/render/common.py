@@ -54,6 +54,9 @@ class RenderContext:
     """Whether the LeaderWorkerSet API is installed (multi-node fleets use it when it is)."""
     default_store_uri: str = "pvc://legorl-store/runs"
     """Run store for runs that set no `spec.store`."""
+    operator_namespace: str | None = None
+    """The operator's namespace: trial pods admit its pods to their proxy port (None: the operator
+    runs outside the cluster, no such rule)."""
 
 
 def short_hash(value: Any, length: int = 10) -> str:

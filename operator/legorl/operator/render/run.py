@@ -26,6 +26,7 @@ from legorl.operator.render.common import (
 )
 from legorl.operator.render.fleet import COMPONENT as ENGINE
 from legorl.operator.render.fleet import MODELS_DIR, engine_name
+from legorl.operator.render.pool import PROXY_PORT
 
 APP = "legorl-trainer"
 TRAINER = "trainer"
@@ -222,10 +223,11 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int) -> dict[str, A
     }
 
 
-def _trial_egress(run: RLRun, fleet_port: int) -> dict[str, Any]:
+def _trial_egress(run: RLRun, fleet_port: int, ctx: RenderContext) -> dict[str, Any]:
     """Let this run's trial pods reach this run's fleet engines (and nothing else beyond DNS,
-    which the pool's own policy allows)."""
-    return {
+    which the pool's own policy allows), and the operator reach their proxy (results leave a trial
+    through the proxy's `/finish`, `/changes` and `/trajectory`, fetched at the pod's IP)."""
+    policy: dict[str, Any] = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": metadata(run, f"{run.metadata.name}-trials", "trial", APP),
@@ -254,6 +256,22 @@ def _trial_egress(run: RLRun, fleet_port: int) -> dict[str, Any]:
             ],
         },
     }
+    if ctx.operator_namespace:
+        policy["spec"]["policyTypes"] = ["Ingress", "Egress"]
+        policy["spec"]["ingress"] = [
+            {
+                "from": [
+                    {
+                        "namespaceSelector": {
+                            "matchLabels": {"kubernetes.io/metadata.name": ctx.operator_namespace}
+                        },
+                        "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}},
+                    }
+                ],
+                "ports": [{"protocol": "TCP", "port": PROXY_PORT}],
+            }
+        ]
+    return policy
 
 
 def render_run(run: RLRun, ctx: RenderContext, fleet_port: int) -> list[dict[str, Any]]:
@@ -270,7 +288,7 @@ def render_run(run: RLRun, ctx: RenderContext, fleet_port: int) -> list[dict[str
         if run.spec.trainer.identity.service_account_name is None:
             objects.append(_trainer_account(run))
         objects += [_trainer_service(run), _trainer_job(run, ctx, fleet_port)]
-    objects.append(_trial_egress(run, fleet_port))
+    objects.append(_trial_egress(run, fleet_port, ctx))
     return [with_hash(obj) for obj in objects]
 
 

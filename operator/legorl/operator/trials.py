@@ -1,0 +1,682 @@
+"""The Kubernetes trial backend: one trial = a trial pod from the SandboxPool's template, then a verify pod.
+
+`KubeTrialBackend` implements `legorl.controller.backend.TrialBackend` for the run controller, which runs
+in a thread of the operator (`legorl.operator.runs`). How a trial goes:
+
+1. **launch** applies a task ConfigMap (`<run>-<trial>-task`: `task.json` without the gold fix and the
+   hidden tests' contents, `problem.md`) and the trial pod (`render.pool.trial_pod`, owned by the RLRun,
+   labelled with run, trial, step and split, the request in an annotation so a restarted operator can
+   adopt it). The pod gets one more container, `hold` (the pool's pause image): it keeps the pod, and so
+   the proxy sidecar with its journal, alive after the agent exits, until the operator has read the
+   results. The pod's `activeDeadlineSeconds` is only a backstop (setup + agent + verify + 5 minutes) for
+   an operator that is gone; the operator enforces the agent's deadline itself, so a timed-out agent's
+   trajectory and changes are still collected.
+2. The operator's pod watch feeds `TrialPods`; `collect` reads each trial's pod from there (no polling of
+   the API server). When the agent container has exited (or its deadline passed), the backend talks to
+   the trial's proxy **directly at the pod's IP** (`http://<podIP>:4000`): `POST /finish` (the harness's
+   exit), `GET /changes` (the agent's changes, read by the proxy from the workspace mounted read-only).
+   This needs no RBAC at all (the API server's `pods/proxy` would let the operator reach any port of any
+   pod in its namespaces, the fleet's unauthenticated weight-update routes included), but it needs the
+   network: the operator runs in the cluster, and a NetworkPolicy must admit it to the trial pods' port
+   4000 (the pool's own policy admits nothing).
+3. The change set goes into a ConfigMap (`<run>-<trial>-changes`, at most about 1 MiB) and the full task
+   into `<run>-<trial>-verify-task`; the verify pod (`render.pool.verify_pod`) runs the pristine image and
+   leaves the reward and tamper findings in its `verify` container's termination message.
+4. Then `GET /trajectory` from the trial's proxy, `records.reconcile` + `records.build_record`, and
+   every object of the trial is deleted.
+
+The objects come from `render.trial` (pure); how a pod is doing is read by `status.trial` (pure).
+`prefetch` names the next tasks' images on the pool (`legorl.dev/lookahead-images`) for its pre-pull.
+
+Failures become records, never exceptions (`BackendError` only when the API server stays unreachable):
+a pod that cannot start (image pull, missing config, unschedulable past its deadline), is evicted or
+deleted → `sandbox_error`; a setup or egress-lock init container exiting 3 → `defense_failed`; the agent
+past `agentSeconds` → `agent_timeout`; a proxy that does not answer → `proxy_error`; a verify pod that
+fails or leaves no result → `verifier_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, TypeVar
+
+import httpx
+
+from legorl.api.kinds import RLRun, SandboxPool
+from legorl.api.trajectory import TrialRecord
+from legorl.controller.backend import BackendError, TrialRequest
+from legorl.controller.records import build_record, reconcile
+from legorl.operator.kube import ApiError, KubeClient
+from legorl.operator.render.common import LOOKAHEAD_ANNOTATION, RenderContext, label_value
+from legorl.operator.render.pool import PROXY_PORT, TRIAL, VERIFY
+from legorl.operator.render.trial import (
+    AGENT_OUTCOME_ANNOTATION,
+    COMPONENT_LABEL,
+    REQUEST_ANNOTATION,
+    RUN_LABEL,
+    TRIAL_LABEL,
+    FleetAccess,
+    TrialNames,
+    lookahead_value,
+    trial_objects,
+    verify_objects,
+)
+from legorl.operator.status.trial import AgentEnd, VerifyResult, agent_end, parse_time, verify_result
+from legorl.sandbox.task import Task, TaskSet
+
+log = logging.getLogger("legorl.operator.trials")
+
+T = TypeVar("T")
+Split = Literal["train", "validation"]
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """How the Kubernetes backend runs trials (one per operator; tests shorten the timings)."""
+
+    proxy_port: int = PROXY_PORT
+    """Port of the trial pods' proxy (the pod template's); the operator dials `<podIP>:<port>`."""
+    proxy_timeout_seconds: float = 120.0
+    """Limit of one call to a trial's proxy (`GET /changes` walks the whole workspace)."""
+    proxy_attempts: int = 3
+    """Calls to a proxy that fail to connect or answer 5xx are tried this often."""
+    api_timeout_seconds: float = 60.0
+    """Limit of one API call made from the controller's thread."""
+    api_retry_seconds: float = 300.0
+    """How long transient API errors are retried before the backend gives up (the run fails)."""
+    appear_seconds: float = 30.0
+    """A pod the backend created but the watch has not shown after this long is looked up directly."""
+    tick_seconds: float = 1.0
+    """`collect` re-checks deadlines at least this often while it waits for pod changes."""
+    max_config_map_bytes: int = 1_000_000
+    """Largest change set that fits in a ConfigMap (the API server refuses objects over 1 MiB)."""
+    pvc_root: str = "/var/run/legorl/pvc"
+    """Where the operator pod mounts PersistentVolumeClaims named by `pvc://claim/path` store and
+    task-set URIs (`<pvc_root>/<claim>/<path>`)."""
+    poll_seconds: float = 1.0
+    """How often the per-run daemon re-reads the run while it waits or runs."""
+
+
+# --- the watch-fed index of trial and verify pods ------------------------------------------------------
+
+
+class TrialPods:
+    """Trial and verify pods as the operator's pod watch last saw them (written on the event loop,
+    read by the controllers' threads)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self._version = 0
+
+    @staticmethod
+    def wanted(body: Mapping[str, Any]) -> bool:
+        labels = (body.get("metadata") or {}).get("labels") or {}
+        return RUN_LABEL in labels and labels.get(COMPONENT_LABEL) in (TRIAL, VERIFY)
+
+    def update(self, namespace: str, body: Mapping[str, Any], deleted: bool) -> None:
+        """A watch event (or an object read from the API)."""
+        if not self.wanted(body):
+            return
+        key = (namespace, str(body.get("metadata", {}).get("name", "")))
+        with self._changed:
+            if deleted:
+                self._pods.pop(key, None)
+            else:
+                self._pods[key] = json.loads(json.dumps(body))  # a private copy, safe across threads
+            self._version += 1
+            self._changed.notify_all()
+
+    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        with self._changed:
+            return self._pods.get((namespace, name))
+
+    def of_run(self, namespace: str, run: str) -> list[dict[str, Any]]:
+        value = label_value(run)
+        with self._changed:
+            return [
+                body
+                for (ns, _), body in self._pods.items()
+                if ns == namespace and body["metadata"]["labels"].get(RUN_LABEL) == value
+            ]
+
+    @property
+    def version(self) -> int:
+        with self._changed:
+            return self._version
+
+    def wait(self, since: int, timeout: float) -> None:
+        """Return when the index changed after `since`, or after `timeout` seconds."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version != since, timeout=max(0.0, timeout))
+
+
+# --- the API client, called from the controller's thread ------------------------------------------------
+
+
+class LoopApi:
+    """The operator's async `KubeClient`, called from another thread through the operator's event loop."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        client: Callable[[], KubeClient],
+        settings: TrialSettings,
+    ) -> None:
+        self.loop = loop
+        self.client = client
+        self.settings = settings
+
+    def _call(self, what: str, fn: Callable[[KubeClient], Awaitable[T]]) -> T:
+        give_up = time.monotonic() + self.settings.api_retry_seconds
+        delay = 0.2
+        while True:
+
+            async def invoke() -> T:
+                return await fn(self.client())
+
+            try:
+                future = asyncio.run_coroutine_threadsafe(invoke(), self.loop)
+            except RuntimeError as exc:  # the loop is closed: the operator is gone
+                raise BackendError(f"{what}: the operator's event loop is closed") from exc
+            try:
+                return future.result(self.settings.api_timeout_seconds)
+            except ApiError as exc:
+                if not exc.transient:
+                    raise
+                problem = str(exc)
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                problem = f"no answer in {self.settings.api_timeout_seconds:.0f}s"
+            except Exception as exc:  # not logged in yet (TransientError), connection trouble
+                if isinstance(exc, concurrent.futures.CancelledError):
+                    raise BackendError(f"{what}: cancelled (the operator is stopping)") from exc
+                problem = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() + delay > give_up:
+                raise BackendError(
+                    f"{what}: the Kubernetes API failed for {self.settings.api_retry_seconds:.0f}s: {problem}"
+                )
+            log.warning("%s: %s; retrying in %.1fs", what, problem, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return self._call(f"apply {obj['kind']} {obj['metadata']['name']}", lambda c: c.apply(obj))
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self._call(f"delete {kind} {name}", lambda c: c.delete(kind, namespace, name))
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._call(f"get {kind} {name}", lambda c: c.get(kind, namespace, name))
+
+    def merge_patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self._call(f"patch {kind} {name}", lambda c: c.merge_patch(kind, namespace, name, patch))
+
+
+# --- the backend ------------------------------------------------------------------------------------------
+
+
+class ProxyError(Exception):
+    """A trial's proxy did not answer usefully."""
+
+
+@dataclass
+class _Trial:
+    request: TrialRequest
+    names: TrialNames
+    launched: datetime
+    created: float
+    """Monotonic time the backend created (or adopted) the current pod."""
+    stage: Literal["agent", "verify"] = "agent"
+    seen: bool = False
+    agent: AgentEnd | None = None
+    cancel: bool = False
+
+
+class KubeTrialBackend:
+    """`TrialBackend` over trial and verify pods (see the module docstring). Not thread-safe: one
+    controller thread calls it."""
+
+    def __init__(
+        self,
+        *,
+        run: RLRun,
+        pool: SandboxPool,
+        fleet: FleetAccess,
+        ctx: RenderContext,
+        api: LoopApi,
+        pods: TrialPods,
+        task_set: TaskSet,
+        settings: TrialSettings | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.run = run
+        self.pool = pool
+        self.fleet = fleet
+        self.ctx = ctx
+        self.api = api
+        self.pods = pods
+        self.tasks = {t.instance_id: t for t in task_set}
+        self.settings = settings or TrialSettings()
+        self.clock = clock
+        self.namespace = run.metadata.namespace or "default"
+        self._trials: dict[str, _Trial] = {}
+        self._ready: list[TrialRecord] = []
+        self._detached = False
+        self._http = httpx.Client(timeout=httpx.Timeout(self.settings.proxy_timeout_seconds, connect=5.0))
+
+    # -- TrialBackend ---------------------------------------------------------------------------------
+
+    def launch(self, request: TrialRequest) -> None:
+        if request.trial in self._trials:
+            return
+        now = self.clock()
+        trial = _Trial(request, TrialNames.of(self.run.metadata.name, request.trial), now, time.monotonic())
+        if request.task.image is None:
+            self._ready.append(
+                self._record(trial, "sandbox_error", f"task {request.task.instance_id} names no image")
+            )
+            return
+        try:
+            for obj in trial_objects(self.run, self.pool, request, self.fleet, self.ctx):
+                self.api.apply(obj)
+        except ApiError as exc:  # refused (quota, admission, invalid): this trial fails, the run goes on
+            self._cleanup(trial)
+            self._ready.append(
+                self._record(trial, "sandbox_error", f"the API server refused the trial: {exc}")
+            )
+            return
+        self._trials[request.trial] = trial
+
+    def collect(self, timeout: float) -> list[TrialRecord]:
+        give_up = time.monotonic() + max(0.0, timeout)
+        while True:
+            since = self.pods.version
+            records, self._ready = self._ready, []
+            for trial in list(self._trials.values()):
+                record = self._advance(trial)
+                if record is not None:
+                    self._trials.pop(trial.request.trial, None)
+                    records.append(record)
+            left = give_up - time.monotonic()
+            if records or left <= 0:
+                return records
+            self.pods.wait(since, min(left, self.settings.tick_seconds))
+
+    def running(self) -> list[str]:
+        return sorted({*self._trials, *(r.trial for r in self._ready)})
+
+    def adopt(self) -> list[TrialRequest]:
+        parts: dict[str, dict[str, dict[str, Any]]] = {}
+        for body in self.pods.of_run(self.namespace, self.run.metadata.name):
+            labels = body["metadata"]["labels"]
+            parts.setdefault(labels.get(TRIAL_LABEL, ""), {})[labels[COMPONENT_LABEL]] = body
+        adopted = []
+        for trial_id, found in sorted(parts.items()):
+            if trial_id in self._trials:
+                continue
+            names = TrialNames.of(self.run.metadata.name, trial_id)
+            pod, verifier = found.get(TRIAL), found.get(VERIFY)
+            request = self._request_of(pod or verifier or {})
+            if pod is None or request is None:
+                # Without the trial pod the proxy's journal is gone; the controller runs it again.
+                log.warning(
+                    "trial %s of run %s cannot be adopted; removing what is left",
+                    trial_id,
+                    self.run.metadata.name,
+                )
+                self._delete_all(names)
+                continue
+            launched = parse_time(pod["metadata"].get("creationTimestamp")) or self.clock()
+            trial = _Trial(request, names, launched, time.monotonic(), seen=True)
+            if verifier is not None:
+                trial.stage = "verify"
+                trial.agent = self._agent_of(verifier)
+            self._trials[trial_id] = trial
+            adopted.append(request)
+        if adopted:
+            log.info("run %s: adopted %d running trial(s)", self.run.metadata.name, len(adopted))
+        return adopted
+
+    def prefetch(self, tasks: Sequence[Task]) -> None:
+        """Feeds the pool's pre-pull lookahead (`legorl.dev/lookahead-images`, read fresh: a shared pool
+        may have been named images by another run). With `Lookahead` the last writer wins: runs
+        sharing such a pool take turns at its cache."""
+        images = [t.image for t in tasks if t.image]
+        namespace = self.pool.metadata.namespace or self.namespace
+        try:
+            live = self.api.get("SandboxPool", namespace, self.pool.metadata.name)
+            annotations = ((live or {}).get("metadata") or {}).get("annotations") or {}
+            try:
+                current = json.loads(annotations.get(LOOKAHEAD_ANNOTATION) or "[]")
+            except json.JSONDecodeError:
+                current = []
+            names = [str(c) for c in current] if isinstance(current, list) else []
+            value = lookahead_value(self.pool.spec.pre_pull.policy, names, images)
+            if value is None:
+                return
+            encoded = json.dumps(value, separators=(",", ":"))
+            self.api.merge_patch(
+                "SandboxPool",
+                namespace,
+                self.pool.metadata.name,
+                {"metadata": {"annotations": {LOOKAHEAD_ANNOTATION: encoded}}},
+            )
+        except ApiError as exc:  # a hint: trials still pull their images themselves
+            log.warning("could not name the next images on pool %s: %s", self.pool.metadata.name, exc)
+
+    def cancel(self, trial: str) -> None:
+        if trial in self._trials:
+            self._trials[trial].cancel = True
+
+    def close(self) -> None:
+        if not self._detached:
+            for trial in list(self._trials.values()):
+                self._cleanup(trial)
+            self._trials.clear()
+        self._http.close()
+
+    # -- beyond the protocol -----------------------------------------------------------------------------
+
+    def detach(self) -> None:
+        """From now on leave every pod as it is: cancelled trials are reported without deleting anything,
+        and `close` deletes nothing (the operator is stopping; the next one adopts the pods)."""
+        self._detached = True
+
+    # -- one trial's progress ------------------------------------------------------------------------------
+
+    def _advance(self, trial: _Trial) -> TrialRecord | None:
+        if trial.cancel:
+            return self._finish(trial, "cancelled", "cancelled by the run controller")
+        if trial.stage == "agent":
+            return self._advance_agent(trial)
+        return self._advance_verify(trial)
+
+    def _observed(self, trial: _Trial, name: str) -> dict[str, Any] | Literal[False] | None:
+        """The pod from the watch; None while it may still appear; False when it is gone."""
+        pod = self.pods.get(self.namespace, name)
+        if pod is not None:
+            trial.seen = True
+            return pod
+        if trial.seen:
+            return False
+        if time.monotonic() - trial.created < self.settings.appear_seconds:
+            return None
+        try:
+            fetched = self.api.get("Pod", self.namespace, name)
+        except ApiError as exc:
+            log.warning("could not look up pod %s: %s", name, exc)
+            return None
+        if fetched is None:
+            return False
+        self.pods.update(self.namespace, fetched, False)
+        trial.seen = True
+        return fetched
+
+    def _advance_agent(self, trial: _Trial) -> TrialRecord | None:
+        pod = self._observed(trial, trial.names.pod)
+        if pod is None:
+            return None
+        if pod is False:
+            return self._finish(trial, "sandbox_error", "the trial pod is gone (evicted or deleted)")
+        deadlines = self.pool.spec.deadlines
+        end = agent_end(
+            pod,
+            now=self.clock(),
+            setup_seconds=deadlines.setup_seconds,
+            agent_seconds=deadlines.agent_seconds,
+            launched=trial.launched,
+        )
+        if end is None:
+            return None
+        if not end.collect:
+            return self._finish(trial, end.reason, end.detail, stage_seconds=end.stage_seconds)
+        trial.agent = end
+        try:
+            self._proxy(
+                pod,
+                "POST",
+                "/finish",
+                {"reason": end.reason, "exitCode": end.exit_code, "detail": end.detail},
+            )
+            changes = self._proxy(pod, "GET", "/changes")
+        except ProxyError as exc:
+            return self._finish(trial, end.reason, f"{end.detail}; {exc}", stage_seconds=end.stage_seconds)
+        outcome = {
+            "reason": end.reason,
+            "exitCode": end.exit_code,
+            "detail": end.detail[:2000],
+            "stageSeconds": dict(end.stage_seconds),
+        }
+        objects = verify_objects(
+            self.run, self.pool, trial.request, self.fleet, self.ctx, changes=changes, agent_outcome=outcome
+        )
+        size = len(objects[1]["data"]["changes.json"].encode())
+        if size > self.settings.max_config_map_bytes:
+            return self._finish(
+                trial,
+                "verifier_error",
+                f"the agent's change set is {size} bytes, more than a ConfigMap holds "
+                f"({self.settings.max_config_map_bytes}); it cannot be verified",
+                trajectory=self._trajectory(trial),
+                stage_seconds=end.stage_seconds,
+            )
+        try:
+            for obj in objects:
+                self.api.apply(obj)
+        except ApiError as exc:
+            return self._finish(
+                trial,
+                "verifier_error",
+                f"the API server refused the verify pod: {exc}",
+                trajectory=self._trajectory(trial),
+                stage_seconds=end.stage_seconds,
+            )
+        trial.stage, trial.seen, trial.created = "verify", False, time.monotonic()
+        return None
+
+    def _advance_verify(self, trial: _Trial) -> TrialRecord | None:
+        agent = trial.agent or AgentEnd("completed")
+        pod = self._observed(trial, trial.names.verify)
+        if pod is None:
+            return None
+        if pod is False:
+            result = VerifyResult(error="the verify pod is gone (evicted or deleted)")
+        else:
+            created = parse_time(pod["metadata"].get("creationTimestamp")) or self.clock()
+            found = verify_result(
+                pod, now=self.clock(), verify_seconds=self.pool.spec.deadlines.verify_seconds, created=created
+            )
+            if found is None:
+                return None
+            result = found
+        seconds = dict(agent.stage_seconds)
+        if result.seconds is not None:
+            seconds["verify"] = result.seconds
+        trajectory = self._trajectory(trial)
+        if result.error is not None:
+            return self._finish(
+                trial, "verifier_error", result.error, trajectory=trajectory, stage_seconds=seconds
+            )
+        return self._finish(
+            trial,
+            agent.reason,
+            "; ".join(
+                text for text in (agent.detail if agent.reason != "completed" else "", result.note) if text
+            )
+            or None,
+            trajectory=trajectory,
+            reward=result.reward,
+            findings=result.findings,
+            stage_seconds=seconds,
+        )
+
+    def _finish(
+        self,
+        trial: _Trial,
+        sandbox_reason: str,
+        detail: str | None,
+        *,
+        trajectory: Mapping[str, Any] | None = None,
+        reward: float | None = None,
+        findings: Sequence[Mapping[str, Any]] = (),
+        stage_seconds: Mapping[str, float] | None = None,
+    ) -> TrialRecord:
+        if not self._detached:
+            self._cleanup(trial)
+        return self._record(
+            trial,
+            sandbox_reason,
+            detail,
+            trajectory=trajectory,
+            reward=reward,
+            findings=findings,
+            stage_seconds=stage_seconds,
+        )
+
+    def _record(
+        self,
+        trial: _Trial,
+        sandbox_reason: str,
+        detail: str | None,
+        *,
+        trajectory: Mapping[str, Any] | None = None,
+        reward: float | None = None,
+        findings: Sequence[Mapping[str, Any]] = (),
+        stage_seconds: Mapping[str, float] | None = None,
+    ) -> TrialRecord:
+        reason = reconcile(sandbox_reason, trajectory)
+        if trajectory is None and reason.value != sandbox_reason:
+            detail = f"{detail or sandbox_reason}; no trajectory could be read from the trial's proxy"
+        end = (trajectory or {}).get("end") or {}
+        if end.get("source") == "proxy" and end.get("detail"):
+            detail = f"{detail or ''}; proxy: {end['detail']}".lstrip("; ")
+        try:
+            return build_record(
+                trial.request,
+                run=self.run.metadata.name,
+                harness=self.run.spec.harness.kind,
+                reason=reason,
+                reward=reward,
+                trajectory=trajectory,
+                started_at=trial.launched,
+                ended_at=self.clock(),
+                findings=findings,
+                stage_seconds=stage_seconds,
+                error=detail,
+            )
+        except (ValueError, KeyError, TypeError) as exc:  # a trajectory that breaks the contract
+            return build_record(
+                trial.request,
+                run=self.run.metadata.name,
+                harness=self.run.spec.harness.kind,
+                reason=reconcile(sandbox_reason, None),
+                reward=None,
+                trajectory=None,
+                started_at=trial.launched,
+                ended_at=self.clock(),
+                findings=findings,
+                stage_seconds=stage_seconds,
+                error=f"{detail or ''}; the proxy's trajectory is unusable: {exc}".lstrip("; "),
+            )
+
+    # -- the proxy ------------------------------------------------------------------------------------------
+
+    def _proxy(self, pod: Mapping[str, Any], method: str, path: str, body: Any = None) -> dict[str, Any]:
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip:
+            raise ProxyError("the trial pod has no IP: its proxy cannot be reached")
+        host = f"[{ip}]" if ":" in ip else ip
+        url = f"http://{host}:{self.settings.proxy_port}{path}"
+        problem = ""
+        for attempt in range(self.settings.proxy_attempts):
+            if attempt:
+                time.sleep(min(2.0**attempt * 0.25, 5.0))
+            try:
+                response = self._http.request(method, url, json=body)
+            except httpx.HTTPError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code >= 500:
+                problem = f"HTTP {response.status_code}: {response.text[:300]}"
+                continue
+            if response.status_code >= 400:
+                raise ProxyError(
+                    f"the proxy refused {method} {path}: HTTP {response.status_code}: {response.text[:300]}"
+                )
+            try:
+                data = response.json()
+            except ValueError as exc:
+                raise ProxyError(f"the proxy's {path} is not JSON: {exc}") from exc
+            if not isinstance(data, dict):
+                raise ProxyError(f"the proxy's {path} is not a JSON object")
+            return data
+        raise ProxyError(f"the proxy did not answer {method} {path} ({problem})")
+
+    def _trajectory(self, trial: _Trial) -> dict[str, Any] | None:
+        pod = self.pods.get(self.namespace, trial.names.pod)
+        if pod is None:
+            return None
+        try:
+            return self._proxy(pod, "GET", "/trajectory")
+        except ProxyError as exc:
+            log.warning("trial %s: %s", trial.request.trial, exc)
+            return None
+
+    # -- adoption and cleanup ------------------------------------------------------------------------------
+
+    def _request_of(self, pod: Mapping[str, Any]) -> TrialRequest | None:
+        raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(REQUEST_ANNOTATION)
+        try:
+            data = json.loads(raw or "")
+            task = self.tasks[str(data["taskId"])]
+            split: Split = "validation" if data["split"] == "validation" else "train"
+            return TrialRequest(
+                trial=str(data["trial"]),
+                task=task,
+                group_id=str(data["groupId"]),
+                split=split,
+                step=int(data["step"]),
+                policy_version=str(data["policyVersion"]),
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    @staticmethod
+    def _agent_of(verifier: Mapping[str, Any]) -> AgentEnd:
+        raw = ((verifier.get("metadata") or {}).get("annotations") or {}).get(AGENT_OUTCOME_ANNOTATION)
+        try:
+            data = json.loads(raw or "")
+            return AgentEnd(
+                reason=str(data["reason"]),
+                detail=str(data.get("detail") or ""),
+                exit_code=data.get("exitCode"),
+                collect=True,
+                stage_seconds={str(k): float(v) for k, v in (data.get("stageSeconds") or {}).items()},
+            )
+        except (ValueError, KeyError, TypeError):
+            return AgentEnd("completed", "the agent stage's outcome was lost; the verifier decides")
+
+    def _cleanup(self, trial: _Trial) -> None:
+        self._delete_all(trial.names)
+
+    def _delete_all(self, names: TrialNames) -> None:
+        for kind, name in (
+            ("Pod", names.verify),
+            ("Pod", names.pod),
+            ("ConfigMap", names.task),
+            ("ConfigMap", names.verify_task),
+            ("ConfigMap", names.changes),
+        ):
+            try:
+                self.api.delete(kind, self.namespace, name)
+            except ApiError as exc:  # the run's owner reference removes it with the run
+                log.warning("could not delete %s %s: %s", kind, name, exc)
