@@ -689,3 +689,17 @@ def test_verify_tree_inside_a_git_checkout_still_gets_its_hidden_tests(
         pristine, outer / "run" / "repo", make_task(base, test_patch), ch.ChangeSet()
     )
     assert (tree.path / HIDDEN).read_text() == HIDDEN_TEST
+
+
+def test_termination_message_stays_parseable_when_long() -> None:
+    findings = [
+        {"kind": "test_file_modified", "path": f"tests/t{i}.py", "detail": "x" * 500} for i in range(40)
+    ]
+    payload = {"stage": "verify", "reward": 1.0, "grade": {"passed": ["a"] * 500}, "tamperFindings": findings}
+    text = cli.termination_message(payload)
+    assert len(text.encode()) <= 4000
+    parsed = json.loads(text)
+    assert parsed["reward"] == 1.0 and parsed["truncated"] is True
+    assert parsed["tamperFindingsTotal"] == 40 and 0 < len(parsed["tamperFindings"]) < 40
+    short = {"stage": "verify", "reward": 0.0, "tamperFindings": []}
+    assert json.loads(cli.termination_message(short)) == short

@@ -37,11 +37,44 @@ EXIT_SANDBOX_ERROR = 5
 TERMINATION_LOG = Path("/dev/termination-log")
 
 
+TERMINATION_LOG_BYTES = 4000
+"""The kubelet keeps at most 4096 bytes of a termination message."""
+
+
+def termination_message(payload: dict[str, object], limit: int = TERMINATION_LOG_BYTES) -> str:
+    """`payload` as JSON of at most `limit` bytes that still parses: the grade and check lists go first,
+    then tamper findings from the end (details shortened); `truncated` says something was left out.
+    The full payload is on stdout (the pod's log)."""
+    text = json.dumps(payload)
+    if len(text.encode()) <= limit:
+        return text
+    small: dict[str, object] = {
+        k: v for k, v in payload.items() if k not in ("grade", "checks", "tamperFindings")
+    }
+    small["truncated"] = True
+    raw = payload.get("tamperFindings")
+    findings = [
+        {**f, "detail": str(f.get("detail", ""))[:200]} if isinstance(f, dict) else f
+        for f in (raw if isinstance(raw, list) else [])
+    ]
+    for keep in range(len(findings), -1, -1):
+        small["tamperFindings"] = findings[:keep]
+        small["tamperFindingsTotal"] = len(findings)
+        text = json.dumps(small)
+        if len(text.encode()) <= limit:
+            return text
+    fields = ("stage", "result", "reward", "error")
+    return json.dumps(
+        {k: str(payload[k])[:500] if k == "error" else payload[k] for k in fields if k in payload}
+        | {"truncated": True}
+    )
+
+
 def _emit(payload: dict[str, object]) -> None:
     print(json.dumps(payload, sort_keys=True))
     with contextlib.suppress(OSError):
         if TERMINATION_LOG.parent.is_dir() and TERMINATION_LOG.exists():
-            TERMINATION_LOG.write_text(json.dumps(payload)[:4000])
+            TERMINATION_LOG.write_text(termination_message(payload))
 
 
 def _task(path: str | None) -> Task | None:
