@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -196,6 +197,20 @@ def test_a_hanging_harness_is_killed_with_everything_it_started(
     assert out.termination_reason == "agent_timeout"
     assert time.monotonic() - started < 30
     assert out.reward == 1.0  # what the agent did before the deadline is still verified
+
+
+def test_a_cancelled_trial_is_killed_at_once_and_not_verified(
+    backend: LocalBackend, task_set: TaskSet
+) -> None:
+    stop = threading.Event()
+    timer = threading.Timer(1.0, stop.set)
+    timer.start()
+    started = time.monotonic()
+    out = trial(backend, task_set, f"{FIX}; sleep 1000", agent_seconds=600.0, stop=stop)
+    timer.join()
+    assert out.termination_reason == "cancelled"
+    assert out.reward is None and out.grade is None
+    assert time.monotonic() - started < 20
 
 
 def test_trials_run_side_by_side_as_different_uids(backend: LocalBackend, task_set: TaskSet) -> None:

@@ -127,6 +127,7 @@ class LocalTrialBackend:
         self.live: dict[str, TrialRequest] = {}
         self.proxies: dict[str, subprocess.Popen[bytes]] = {}
         self.cancelled: set[str] = set()
+        self.stops: dict[str, threading.Event] = {}
         self.lock = threading.Lock()
         self.closed = False
 
@@ -137,6 +138,7 @@ class LocalTrialBackend:
             raise BackendError("the local backend is closed")
         with self.lock:
             self.live[request.trial] = request
+            self.stops[request.trial] = threading.Event()
         self.pool.submit(self._run_trial, request)
 
     def collect(self, timeout: float) -> list[TrialRecord]:
@@ -168,9 +170,9 @@ class LocalTrialBackend:
     def cancel(self, trial: str) -> None:
         with self.lock:
             self.cancelled.add(trial)
-            proxy = self.proxies.get(trial)
-        if proxy is not None:
-            _stop(proxy)
+            stop = self.stops.get(trial)
+        if stop is not None:
+            stop.set()  # kills the agent's sandbox; the trial ends `cancelled`
 
     def close(self) -> None:
         self.closed = True
@@ -200,6 +202,8 @@ class LocalTrialBackend:
             )
         if request.trial in self.cancelled and record.termination_reason != TerminationReason.COMPLETED:
             record = _as_cancelled(record)
+        with self.lock:
+            self.stops.pop(request.trial, None)
         self.done.put(record)
 
     def _trial(self, request: TrialRequest, started: datetime) -> TrialRecord:
@@ -252,8 +256,9 @@ class LocalTrialBackend:
                 probes=[f"127.0.0.1:{engine_port}"],
                 extra_binds=[(str(self.runtime), RUNTIME_INSIDE)],
                 after_agent=finish,
+                stop=self.stops.get(request.trial),
             )
-            if outcome.termination_reason not in ("sandbox_error", "defense_failed"):
+            if outcome.termination_reason not in ("sandbox_error", "defense_failed", "cancelled"):
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     response = client.get("/trajectory")
                     if response.status_code == 200:

@@ -100,6 +100,8 @@ class Run:
     report_seconds: float = 0.0
     """From start until the sandbox's self-test report arrived (the cost of starting a sandbox)."""
     limits_applied: list[str] = field(default_factory=list)
+    cancelled: bool = False
+    """`stop` was set while it ran: everything in the sandbox was killed."""
 
 
 def _python_roots() -> list[Path]:
@@ -374,8 +376,10 @@ class LocalBackend:
         network: bool = False,
         report: bool = False,
         name: str = "sandbox",
+        stop: threading.Event | None = None,
     ) -> Run:
-        """Run argv in a fresh sandbox; `binds` are (host path, sandbox path, writable).
+        """Run argv in a fresh sandbox; `binds` are (host path, sandbox path, writable). Setting `stop`
+        kills it (the run is then `cancelled`).
 
         With `report`, argv is wrapped by `legorl.sandbox.inner`, whose self-test report arrives on
         a pipe the agent never sees."""
@@ -426,11 +430,8 @@ class LocalBackend:
             os.close(seccomp_fd)
         output = _Collector(proc.stdout)
         reader = _Collector(os.fdopen(read_fd, "rb")) if report else None
-        timed_out = False
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            timed_out, cancelled = _wait(proc, started + timeout, stop)
         finally:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -449,6 +450,7 @@ class LocalBackend:
             output=text,
             report=reader.text() if reader else "",
             report_seconds=(reader.first_at - started) if reader and reader.first_at else 0.0,
+            cancelled=cancelled,
             limits_applied=[
                 *(cgroup.applied if cgroup else []),
                 *(self._rlimits()[1:-1] if self.defenses.isolate else []),
@@ -528,6 +530,19 @@ class LocalBackend:
             ]
             return [*args, "--", *drop, *command]
         return [*args, "--", *command]
+
+
+def _wait(proc: subprocess.Popen[bytes], deadline: float, stop: threading.Event | None) -> tuple[bool, bool]:
+    """Wait for `proc` until `deadline` or `stop`; (timed out, cancelled)."""
+    while True:
+        try:
+            proc.wait(timeout=max(0.0, min(0.25, deadline - time.monotonic())))
+            return False, False
+        except subprocess.TimeoutExpired:
+            if stop is not None and stop.is_set():
+                return False, True
+            if time.monotonic() >= deadline:
+                return True, False
 
 
 def _cgroup_join(cgroup: Cgroup | None) -> list[str]:

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -160,6 +161,7 @@ class _Trial:
         seconds: float,
         probes: Sequence[str],
         extra_binds: Sequence[tuple[str, str]] = (),
+        stop: threading.Event | None = None,
     ) -> bool:
         """Stage 2; False when the sandbox's own self-test failed. `extra_binds` (host, inside) are
         mounted read-only (a harness runtime, its configuration)."""
@@ -189,11 +191,15 @@ class _Trial:
                 network=not egress_locked,
                 report=True,
                 name=f"agent-{out.trial}",
+                stop=stop,
             )
         out.stage_seconds["agent_start"] = run.report_seconds
         out.stage_seconds["agent"] = run.seconds
         out.agent_exit_code = run.returncode
         out.agent_output = run.output[-20000:]
+        if run.cancelled:
+            self.fail("cancelled", "the trial was cancelled while its agent ran")
+            return False
         checks = parse_report(run.report) if egress_locked else []
         out.checks.extend(checks)
         failed = [c for c in checks if not c.passed]
@@ -336,13 +342,15 @@ def run_local_trial(
     keep: bool = False,
     extra_binds: Sequence[tuple[str, str]] = (),
     after_agent: Callable[[TrialOutcome], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> TrialOutcome:
     """Run the stages of one trial; every failure is classified, nothing is left running.
 
     `probes` (HOST:PORT) are extra addresses the sandbox's egress self-test must find unreachable
     (the engine's address, say). `extra_binds` (host path, sandbox path) are mounted read-only in the
     agent's sandbox. `after_agent` is called once the agent stage ended and before verify (the run
-    controller tells the proxy how the harness exited). The outcome is also written to
+    controller tells the proxy how the harness exited). Setting `stop` kills the agent's sandbox: the
+    trial ends `cancelled`, unverified. The outcome is also written to
     `<root>/outcomes/<trial>.json`."""
     if not TRIAL_ID.match(trial_id):
         raise ValueError(
@@ -367,6 +375,7 @@ def run_local_trial(
             seconds=agent_seconds,
             probes=probes,
             extra_binds=extra_binds,
+            stop=stop,
         ):
             return out
         if after_agent is not None:
