@@ -87,6 +87,8 @@ class Progress:
     """The version the fleet serves."""
     max_steps: int | None = None
     trials_total: int = 0
+    """Training trials finished (held-out ones are counted in `eval_trials`)."""
+    eval_trials: int = 0
     trials_running: int = 0
     trials_dropped: int = 0
     zero_variance_groups: int = 0
@@ -347,6 +349,7 @@ class RunController:
                     step.records[record.trial] = record
                 self._count(record)
             else:
+                self.progress.eval_trials += 1
                 ev = self._evals.get(record.step)
                 if ev is not None:
                     ev.records[record.trial] = record

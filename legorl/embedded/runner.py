@@ -145,7 +145,15 @@ class ProgressPrinter:
         self.last_time = 0.0
 
     def __call__(self, p: Progress) -> None:
-        key = (p.step, p.policy_version, p.trials_total, p.trials_running, p.held_out_solve_rate, p.message)
+        key = (
+            p.step,
+            p.policy_version,
+            p.trials_total,
+            p.eval_trials,
+            p.trials_running,
+            p.held_out_solve_rate,
+            p.message,
+        )
         now = time.monotonic()
         if key == self.last_key and now - self.last_time < self.every:
             return
@@ -172,7 +180,7 @@ def format_progress(p: Progress) -> str:
     reasons = " ".join(f"{k}={v}" for k, v in sorted(p.by_reason.items())) or "-"
     parts = [
         f"[{_clock(p.elapsed_seconds)}] step {p.step}/{p.max_steps} serving {p.policy_version}",
-        f"trials {p.trials_total} done, {p.trials_running} running ({reasons})",
+        f"trials {p.trials_total} done (+{p.eval_trials} held-out), {p.trials_running} running ({reasons})",
         f"reward {_rate(p.reward_mean)}",
         f"held-out {_rate(p.held_out_solve_rate, p.held_out_interval)}"
         f" (start {_rate(p.baseline_solve_rate)})",
