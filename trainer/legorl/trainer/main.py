@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -19,6 +20,7 @@ from typing import Any
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 TINY_MOE = "builtin://tiny-moe"
+TINY_SWE = "builtin://tiny-swe"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,8 +43,8 @@ def parser() -> argparse.ArgumentParser:
         "--checkpoint-dir",
         type=Path,
         help="local directory of the initial policy (Hugging Face layout); default: spec.policy.checkpoint "
-        "(hf:// is downloaded, pvc://claim/path read from /models/claim/path, file:// and builtin://tiny-moe "
-        "used as they are)",
+        "(hf:// is downloaded, pvc://claim/path read from /models/claim/path, file:// used as it is, "
+        "builtin://tiny-moe and builtin://tiny-swe made on first use)",
     )
     p.add_argument(
         "--fleet-url",
@@ -55,6 +57,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="exit when no further batch is committed")
     p.add_argument("--poll-seconds", type=float, default=2.0, help="how often to look for a new batch")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--spec-timeout",
+        type=float,
+        default=900.0,
+        help="with --run and no --spec: how long to wait for the run controller's run.json (seconds)",
+    )
     return p
 
 
@@ -65,8 +73,17 @@ _HF_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jin
 
 
 def resolve_checkpoint(uri: str, cache: Path, *, revision: str | None = None) -> Path:
-    """A local directory for the policy checkpoint URI (made, mounted or downloaded as the scheme says)."""
+    """A local directory for the policy checkpoint URI (made, mounted or downloaded as the scheme says).
+
+    `builtin://tiny-moe` is made under `cache` (seconds); `builtin://tiny-swe` (the SFT-warm-started policy,
+    minutes to make) is made once per machine under $LEGORL_CACHE_DIR (default ~/.cache/legorl) and shared
+    by every run (`legorl.trainer.sft.ensure_tiny_swe`).
+    """
     scheme, _, rest = uri.partition("://")
+    if uri == TINY_SWE:
+        from legorl.trainer.sft import ensure_tiny_swe  # noqa: PLC0415
+
+        return ensure_tiny_swe()
     if uri == TINY_MOE:
         target = cache / "tiny-moe"
         if not (target / "config.json").is_file():
@@ -88,7 +105,7 @@ def resolve_checkpoint(uri: str, cache: Path, *, revision: str | None = None) ->
         )
     raise ValueError(
         f"policy.checkpoint {uri!r}: the trainer reads {scheme}:// checkpoints only through a local copy; "
-        "pass --checkpoint-dir, or use hf://, pvc://, file:// or builtin://tiny-moe"
+        "pass --checkpoint-dir, or use hf://, pvc://, file://, builtin://tiny-moe or builtin://tiny-swe"
     )
 
 
@@ -134,7 +151,15 @@ def _load_run(args: argparse.Namespace) -> Any:
         raise ValueError("give --spec FILE, or --store URI holding the run controller's run.json")
     from legorl.api.store import RunStore  # noqa: PLC0415
 
-    body = RunStore(args.store).read_run_spec()
+    store = RunStore(args.store)
+    body = store.read_run_spec()
+    # The operator's trainer Job may start before the run controller wrote run.json: wait for it.
+    deadline = time.monotonic() + (args.spec_timeout if args.run else 0.0)
+    if body is None and time.monotonic() < deadline:
+        logging.getLogger(__name__).info("waiting for %s/run.json (the run controller writes it)", args.store)
+    while body is None and time.monotonic() < deadline:
+        time.sleep(1.0)
+        body = store.read_run_spec()
     if body is None:
         raise ValueError(f"{args.store}: no run.json yet; pass --spec FILE")
     return RLRun.model_validate(body)

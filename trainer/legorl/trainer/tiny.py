@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -219,38 +219,49 @@ def training_corpus(seed: int = 0, *, documents: int = 2000) -> Iterator[str]:
         yield corpus.document()
 
 
-def make_tiny_model(directory: Path, *, seed: int = 0) -> Path:
-    """Write a tiny random Qwen3-MoE checkpoint (fp32 safetensors, tokenizer, chat template) to `directory`.
+def byte_level_bpe(texts: Iterable[str], *, vocab_size: int, split_lines: bool = False) -> Any:
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts`, with the ChatML special tokens and the
+    hermes tool tokens added after the learned vocabulary (Qwen's layout). `vocab_size` counts them.
 
-    hidden 128, 2 layers, 8 experts (top-2, moe_intermediate_size 64), 4 query heads and 2 KV heads of dim 32,
-    vocab ~4000, untied embeddings, initializer_range 0.5 so next-token distributions are peaked rather than
-    flat. Returns `directory`.
+    By default text is split GPT-2 style (words, numbers, punctuation, spaces) before merging. With
+    `split_lines`, it is split only after each newline, so merges may span words: on a narrow corpus
+    (fixed prompts, repeated commands) whole lines become single tokens and sequences get short. Either way
+    a split point sits after every newline, so a chat-template boundary that ends a line (`assistant\\n`)
+    never merges with what follows: a prompt and the completion sampled after it tokenize as their
+    concatenation does.
     """
     import tokenizers  # noqa: PLC0415 -- heavy imports stay out of module import
-    import torch  # noqa: PLC0415
-    import transformers as transformers_typed  # noqa: PLC0415
 
-    # transformers' constructors are partly untyped and its config fields are strict dataclass fields.
-    transformers: Any = transformers_typed
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-
-    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not split_lines)
     raw = tokenizers.Tokenizer(tokenizers.models.BPE())
-    raw.pre_tokenizer = byte_level
+    raw.pre_tokenizer = (
+        tokenizers.pre_tokenizers.Sequence(
+            [tokenizers.pre_tokenizers.Split("\n", behavior="merged_with_previous"), byte_level]
+        )
+        if split_lines
+        else byte_level
+    )
     raw.decoder = tokenizers.decoders.ByteLevel()
     raw.post_processor = tokenizers.processors.ByteLevel(trim_offsets=False)
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS) - len(TOOL_TOKENS),
+        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(TOOL_TOKENS),
         min_frequency=2,
         show_progress=False,
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
     )
-    raw.train_from_iterator(training_corpus(seed), trainer=trainer)
+    raw.train_from_iterator(texts, trainer=trainer)
     # Special and tool tokens go after the learned vocabulary, as in Qwen's tokenizers.
     raw.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     raw.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    return raw
+
+
+def chat_tokenizer(raw: Any, chat_template: str = CHAT_TEMPLATE) -> Any:
+    """`raw` (a `tokenizers.Tokenizer`) as a transformers `PreTrainedTokenizerFast` with ChatML's special
+    tokens (`<|im_end|>` ends a turn) and `chat_template`."""
+    import transformers as transformers_typed  # noqa: PLC0415
+
+    transformers: Any = transformers_typed  # partly untyped constructors
 
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=raw,
@@ -263,44 +274,110 @@ def make_tiny_model(directory: Path, *, seed: int = 0) -> Path:
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(directory))
+    tokenizer.chat_template = chat_template
+    return tokenizer
 
-    vocab_size = len(tokenizer)
+
+def qwen3_moe_config(
+    tokenizer: Any,
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    head_dim: int,
+    moe_intermediate_size: int,
+    num_experts: int,
+    num_experts_per_tok: int,
+    max_position_embeddings: int,
+    initializer_range: float,
+) -> Any:
+    """A transformers `Qwen3MoeConfig` (fp32, untied embeddings, normalised top-k, no shared experts, every
+    layer sparse) whose vocabulary and special token ids are `tokenizer`'s."""
+    import transformers as transformers_typed  # noqa: PLC0415
+
+    # transformers' constructors are partly untyped and its config fields are strict dataclass fields.
+    transformers: Any = transformers_typed
     endoftext_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
     config = transformers.Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        initializer_range=0.5,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         decoder_sparse_step=1,
-        moe_intermediate_size=64,
-        num_experts=8,
-        num_experts_per_tok=2,
+        moe_intermediate_size=moe_intermediate_size,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
         norm_topk_prob=True,
         bos_token_id=endoftext_id,
         eos_token_id=im_end_id,
         pad_token_id=endoftext_id,
         dtype="float32",
     )
-    config.head_dim = 32  # Qwen3 keeps head_dim explicit (hidden/heads here, but readers look for the key)
+    config.head_dim = head_dim  # Qwen3 keeps head_dim explicit (readers look for the key)
     config.architectures = ["Qwen3MoeForCausalLM"]
+    return config
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32)
-    model.generation_config = transformers.GenerationConfig(
+
+def generation_config(tokenizer: Any) -> Any:
+    """Generation defaults: a turn ends at `<|im_end|>` (or `<|endoftext|>`)."""
+    import transformers as transformers_typed  # noqa: PLC0415
+
+    transformers: Any = transformers_typed
+
+    endoftext_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+    return transformers.GenerationConfig(
         bos_token_id=endoftext_id,
         eos_token_id=[im_end_id, endoftext_id],
         pad_token_id=endoftext_id,
     )
+
+
+def make_tiny_model(directory: Path, *, seed: int = 0) -> Path:
+    """Write a tiny random Qwen3-MoE checkpoint (fp32 safetensors, tokenizer, chat template) to `directory`.
+
+    hidden 128, 2 layers, 8 experts (top-2, moe_intermediate_size 64), 4 query heads and 2 KV heads of dim 32,
+    vocab ~4000, untied embeddings, initializer_range 0.5 so next-token distributions are peaked rather than
+    flat. Returns `directory`.
+    """
+    import torch  # noqa: PLC0415 -- heavy imports stay out of module import
+    import transformers as transformers_typed  # noqa: PLC0415
+
+    transformers: Any = transformers_typed
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = chat_tokenizer(byte_level_bpe(training_corpus(seed), vocab_size=VOCAB_SIZE))
+    tokenizer.save_pretrained(str(directory))
+
+    config = qwen3_moe_config(
+        tokenizer,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=32768,
+        initializer_range=0.5,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32)
+    model.generation_config = generation_config(tokenizer)
     model.save_pretrained(str(directory))
     return directory
