@@ -178,7 +178,8 @@ class ModelSource(ApiModel):
 
     uri: Uri
     """Checkpoint location: `hf://org/name`, `s3://bucket/prefix`, `gs://...`, `pvc://claim/path`,
-    `file:///abs/path` (local runs) or `builtin://tiny-moe` (the test model made on the fly)."""
+    `file:///abs/path` (local runs), `builtin://tiny-moe` (a random test model made on the fly) or
+    `builtin://tiny-swe` (the warm-started policy of the embedded default, made by `legorl sft`)."""
     revision: Annotated[str, Field(max_length=MAX_SHORT * 2)] | None = None
     """Branch, tag or commit for `hf://` sources; pin a commit for reproducible runs."""
     credentials_secret_ref: LocalObjectReference | None = None

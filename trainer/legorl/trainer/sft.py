@@ -698,17 +698,21 @@ def ensure_tiny_swe(cache_dir: Path | None = None, *, build: Callable[[Path], No
     with _locked(target.parent / f".{target.name}.lock"):
         if _complete(target):
             return target
-        staging = target.parent / f".{target.name}.tmp-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
+        # Everything a build writes lives in one folder: what a killed build left is removed here (the
+        # lock says no other build of this key is running).
+        work = target.parent / f".{target.name}.build"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
         try:
+            staging = work / "model"
             (build or _build_in_child)(staging)
             if not _complete(staging):
                 raise RuntimeError(f"building {TINY_SWE} left no checkpoint in {staging}")
-            if target.exists():  # a stale partial folder from before (never a complete one: checked above)
+            if target.exists():  # a partial folder from before (never a complete one: checked above)
                 shutil.rmtree(target)
             staging.rename(target)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)
     return target
 
 
@@ -769,19 +773,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps=args.steps, seed=args.seed, mix=(mix[0], mix[1], mix[2]), sample_per_task=args.samples
     )
     from legorl.sandbox.bundled import BUILTIN_URI, builtin_task_set  # noqa: PLC0415
+    from legorl.sandbox.bundled import instance_ids as bundled_ids  # noqa: PLC0415
     from legorl.sandbox.task import TaskError, load_task_set  # noqa: PLC0415
 
     try:
         manifest = builtin_task_set() if args.tasks == BUILTIN_URI else Path(args.tasks)
         task_set = load_task_set(manifest)
+        unknown = sorted(set(t.instance_id for t in task_set) - set(bundled_ids()))
+        if unknown:
+            raise TaskError(
+                f"{len(unknown)} task(s) are not in the bundled set {BUILTIN_URI} (e.g. {unknown[0]}); "
+                "demonstrations are made from its generator's table of bugs"
+            )
     except (TaskError, OSError) as exc:
         sys.stderr.write(f"legorl sft: --tasks {args.tasks}: {exc}\n")
         return 2
     out = args.out
     if out is None:
-        if settings != SftSettings(sample_per_task=settings.sample_per_task):
+        if settings != SftSettings(sample_per_task=settings.sample_per_task) or args.tasks != BUILTIN_URI:
             sys.stderr.write(
-                "legorl sft: with non-default settings, give --out DIR (the cache holds the default)\n"
+                f"legorl sft: with other tasks or settings, give --out DIR (the cache holds {TINY_SWE}, "
+                "the default run on the whole bundled set)\n"
             )
             return 2
         # Through the cache's lock and rename, building in this process.
