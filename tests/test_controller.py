@@ -155,7 +155,8 @@ class FakeTrainer:
             if self._polls > self.lag:
                 self._polls = 0
                 self.step += 1
-                self.store.write_trainer_state({"step": self.step, "policy_version": policy_version(self.step)})
+                state = {"step": self.step, "policy_version": policy_version(self.step)}
+                self.store.write_trainer_state(state)
         return self.step
 
     def error(self) -> str | None:
@@ -173,7 +174,9 @@ def controller(
     store = RunStore(str(tmp_path / "store"))
     trainer = FakeTrainer(store, lag=lag)
     backend = ScriptedBackend(store, reward, lambda: trainer.step)
-    ctl = RunController(run, store=store, backend=backend, task_set=task_set(n), trainer=trainer, poll_seconds=0.0)
+    ctl = RunController(
+        run, store=store, backend=backend, task_set=task_set(n), trainer=trainer, poll_seconds=0.0
+    )
     return ctl, backend, trainer, store
 
 
@@ -219,7 +222,7 @@ def test_reconcile_prefers_what_the_proxy_saw() -> None:
 
 
 def test_sync_run_commits_every_step_and_evaluates(tmp_path: Path) -> None:
-    ctl, backend, trainer, store = controller(tmp_path, make_run())
+    ctl, backend, _, store = controller(tmp_path, make_run())
     outcome = ctl.run()
     assert (outcome.state, outcome.reason) == ("Succeeded", "MaxSteps"), outcome.message
     assert store.committed_steps() == [1, 2, 3]
@@ -237,7 +240,8 @@ def test_sync_run_commits_every_step_and_evaluates(tmp_path: Path) -> None:
     assert len({r.trial for r in backend.launched}) == len(backend.launched)
     assert ctl.progress.trials_total == 12
     assert ctl.progress.baseline_solve_rate == 0.5
-    assert store.read_controller_state()["step"] == 3
+    state = store.read_controller_state()
+    assert state is not None and state["step"] == 3
 
 
 def test_a_restart_reruns_no_finished_trial(tmp_path: Path) -> None:
@@ -313,7 +317,7 @@ def test_trainer_failure_stops_the_run(tmp_path: Path) -> None:
 
 
 def test_stop_from_another_thread(tmp_path: Path) -> None:
-    ctl, backend, _, _ = controller(tmp_path, make_run(stop={"maxSteps": 100}, tasks={"epochs": 50}))
+    ctl, _, _, _ = controller(tmp_path, make_run(stop={"maxSteps": 100}, tasks={"epochs": 50}))
     timer = threading.Timer(0.5, ctl.stop)
     timer.start()
     outcome = ctl.run()

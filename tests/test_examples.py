@@ -91,5 +91,5 @@ def test_render_refuses_what_only_runs_locally(run_cli: Callable[..., tuple[int,
     code, _, err = run_cli("render", str(Path(__file__).parents[1] / "examples/tiny-local.yaml"))
     assert code == 1
     assert (
-        "spec.policy.checkpoint.uri: 'builtin://tiny-moe': builtin:// models exist only in local runs" in err
+        "spec.policy.checkpoint.uri: 'builtin://tiny-swe': builtin:// models exist only in local runs" in err
     )
