@@ -31,16 +31,16 @@ def test_validate_reports_every_problem_with_location(run_cli: Cli, tmp_path: Pa
     bad = tmp_path / "bad.yaml"
     bad.write_text(
         GOOD.replace("groupSize: 4", "groupSize: 1")
-        .replace("maxTurns: 8", "maxTurn: 8")
-        .replace('learningRate: "1e-4"', "learningRate: 0.0001")
+        .replace("maxTurns: 4", "maxTurn: 4")
+        .replace('learningRate: "3e-4"', "learningRate: 0.0003")
     )
     code, out, _ = run_cli("validate", str(bad))
     assert code == 1
     lines = [line for line in out.splitlines() if ": error: " in line]
-    assert all(line.startswith(f"{bad}:5 (RLRun/tiny-local): error: ") for line in lines), lines
+    assert all(line.startswith(f"{bad}:10 (RLRun/tiny-local): error: ") for line in lines), lines
     text = "\n".join(lines)
     assert "spec.harness.maxTurn: unknown field 'maxTurn'; did you mean 'maxTurns'?" in text
-    assert 'spec.algorithm.learningRate: must be a string; quote the number: "0.0001"' in text
+    assert 'spec.algorithm.learningRate: must be a string; quote the number: "0.0003"' in text
     # CEL problems are reported even while schema problems exist, where the rule can run.
     assert "spec.algorithm.groupSize: GRPO and GSPO compare trials within a group" in text
     assert out.splitlines()[-1] == "1 document(s): 3 error(s), 0 warning(s)"
@@ -61,10 +61,10 @@ def test_validate_json_output(run_cli: Cli, tmp_path: Path) -> None:
 
 def test_warnings_pass_unless_strict(run_cli: Cli, tmp_path: Path) -> None:
     manifest = tmp_path / "warn.yaml"
-    manifest.write_text(GOOD.replace("maxSteps: 20", "maxSteps: 2"))
+    manifest.write_text(GOOD.replace("maxSteps: 6", "maxSteps: 2"))
     code, out, _ = run_cli("validate", str(manifest))
     assert code == 0
-    assert "warning: spec.evaluation.intervalSteps: validation every 5 steps never happens mid-run" in out
+    assert "warning: spec.evaluation.intervalSteps: validation every 6 steps never happens mid-run" in out
     code, _, _ = run_cli("validate", "--strict", str(manifest))
     assert code == 1
 
@@ -73,7 +73,7 @@ def test_validate_reads_stdin(run_cli: Cli, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr("sys.stdin", io.StringIO(GOOD))
     code, out, _ = run_cli("validate", "-")
     assert code == 0, out
-    assert out.startswith("-:5 (RLRun/tiny-local): valid")
+    assert out.startswith("-:10 (RLRun/tiny-local): valid")
 
 
 def test_unreadable_and_malformed_files_exit_2(run_cli: Cli, tmp_path: Path) -> None:

@@ -559,7 +559,7 @@ def test_failed_preflight_starts_nothing_and_a_fix_resumes(env_factory: Any) -> 
     env.mock.create(run)
     validated = env.wait_condition("rlruns", "tiny-local", "Validated", "False", "PreflightFailed")
     assert (
-        "spec.policy.checkpoint.uri: 'builtin://tiny-moe': builtin:// models exist only in local runs"
+        "spec.policy.checkpoint.uri: 'builtin://tiny-swe': builtin:// models exist only in local runs"
         in (validated["message"])
     )
     assert "Nothing was started; fix the spec and re-apply" in validated["message"]

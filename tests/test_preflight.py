@@ -33,8 +33,8 @@ def test_base_is_clean() -> None:
             "above the limit 4Gi",
         ),
         (
-            "    maxTurns: 8",
-            "    maxTurns: 8\n    env: [{name: OPENAI_API_KEY, value: sk-123}]",
+            "    maxTurns: 4",
+            "    maxTurns: 4\n    env: [{name: OPENAI_API_KEY, value: sk-123}]",
             "warning",
             "spec.harness.env[0].value",
             "put it in a Secret",
@@ -54,8 +54,8 @@ def test_base_is_clean() -> None:
             "cannot be cut from a batch of 16",
         ),
         (
-            "    maxSteps: 20",
-            '    maxSteps: 20\n    targetReward: "0.5"',
+            "    maxSteps: 6",
+            '    maxSteps: 6\n    targetReward: "0.5"',
             "error",
             "spec.stop.targetReward",
             "heldOutPercent is 0",
