@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 import pyarrow as pa
 
@@ -266,19 +266,23 @@ class Segment:
         return cls(**data)
 
 
+TamperKind = Literal[
+    "test_file_modified",
+    "test_hook_added",
+    "symlink",
+    "binary_patch",
+    "outside_repo",
+    "egress_attempt",
+    "results_tampered",
+]
+TAMPER_KINDS: frozenset[str] = frozenset(get_args(TamperKind))
+
+
 @dataclass(frozen=True)
 class TamperFinding:
     """Something the agent did that could game the reward (recorded, shown, and filtered)."""
 
-    kind: Literal[
-        "test_file_modified",
-        "test_hook_added",
-        "symlink",
-        "binary_patch",
-        "outside_repo",
-        "egress_attempt",
-        "results_tampered",
-    ]
+    kind: TamperKind
     detail: str
     path: str | None = None
 

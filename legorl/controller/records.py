@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from legorl.api.termination import TerminationReason
-from legorl.api.trajectory import Segment, TamperFinding, TrialRecord
+from legorl.api.trajectory import TAMPER_KINDS, Segment, TamperFinding, TrialRecord
 
 from .backend import TrialRequest
 
@@ -25,18 +25,6 @@ could not be scored)."""
 
 _PROXY_WINS = frozenset({R.TURN_LIMIT, R.CONTEXT_OVERFLOW, R.ENGINE_ERROR, R.PROXY_ERROR})
 """Failures the proxy saw first-hand: they explain a harness exit better than its exit code does."""
-
-_FINDING_KINDS = frozenset(
-    {
-        "test_file_modified",
-        "test_hook_added",
-        "symlink",
-        "binary_patch",
-        "outside_repo",
-        "egress_attempt",
-        "results_tampered",
-    }
-)
 
 
 def reconcile(sandbox_reason: str, trajectory: Mapping[str, Any] | None) -> TerminationReason:
@@ -76,7 +64,7 @@ def findings_from(items: Sequence[Mapping[str, Any]]) -> list[TamperFinding]:
     for item in items:
         kind = str(item.get("kind", ""))
         detail = str(item.get("detail", ""))
-        if kind not in _FINDING_KINDS:
+        if kind not in TAMPER_KINDS:
             detail, kind = f"{kind}: {detail}", "outside_repo"
         out.append(TamperFinding(kind=kind, path=item.get("path"), detail=detail))  # type: ignore[arg-type]
     return out
