@@ -125,7 +125,6 @@ class LocalTrialBackend:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="trial")
         self.done: queue.Queue[TrialRecord] = queue.Queue()
         self.live: dict[str, TrialRequest] = {}
-        self.proxies: dict[str, subprocess.Popen[bytes]] = {}
         self.cancelled: set[str] = set()
         self.stops: dict[str, threading.Event] = {}
         self.lock = threading.Lock()
@@ -266,8 +265,6 @@ class LocalTrialBackend:
             client.close()
         finally:
             _stop(proxy)
-            with self.lock:
-                self.proxies.pop(request.trial, None)
             sock.unlink(missing_ok=True)
         timings.update(outcome.stage_seconds)
         reason = reconcile(outcome.termination_reason, trajectory)
@@ -323,8 +320,6 @@ class LocalTrialBackend:
             )
         finally:
             log_file.close()
-        with self.lock:
-            self.proxies[request.trial] = proxy
         deadline = time.monotonic() + self.proxy_start_seconds
         while not sock.exists():
             if proxy.poll() is not None or time.monotonic() > deadline or request.trial in self.cancelled:
