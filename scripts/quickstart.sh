@@ -13,4 +13,4 @@ bash scripts/get-engine.sh
 bash scripts/get-sandbox-tools.sh
 
 .venv/bin/legorl validate examples/*.yaml
-exec .venv/bin/legorl run examples/tiny-local.yaml --dir .legorl/runs/quickstart --steps 3 "$@"
+exec .venv/bin/legorl run examples/tiny-local.yaml --dir .legorl/runs/quickstart --steps 1 --eval-trials 1 "$@"

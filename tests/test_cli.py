@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from legorl.cli.main import build_parser
+from legorl.embedded.runner import EmbeddedRun, load_run
 from legorl.operator.settings import OperatorSettings, from_environment
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.yaml"))
@@ -295,3 +296,17 @@ def test_operator_json_logs_are_one_object_per_line() -> None:
         "namespace": "rl",
         "name": "r1",
     }
+
+
+def test_run_overrides_apply_and_bad_ones_exit_2(run_cli: Cli, tmp_path: Path) -> None:
+    run = load_run(str(EXAMPLES[0].parent / "tiny-local.yaml"))
+    short = EmbeddedRun(run, root=tmp_path, steps=1, eval_trials=1).run_obj.spec
+    assert (short.stop.max_steps, short.evaluation.trials_per_task) == (1, 1)
+    assert (run.spec.stop.max_steps, run.spec.evaluation.trials_per_task) == (6, 3)  # manifest untouched
+    # An override the schema refuses is a clear error before anything starts (nothing in --dir).
+    code, _, err = run_cli(
+        "run", str(EXAMPLES[0].parent / "tiny-local.yaml"), "--dir", str(tmp_path / "r"), "--eval-trials", "0"
+    )
+    assert code == 2
+    assert "overrides make the manifest invalid" in err and "trialsPerTask" in err, err
+    assert not (tmp_path / "r").exists()

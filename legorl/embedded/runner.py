@@ -241,13 +241,20 @@ class EmbeddedRun:
         root: Path,
         out: TextIO = sys.stdout,
         steps: int | None = None,
+        eval_trials: int | None = None,
         engine_startup_seconds: float = 600.0,
     ) -> None:
         self.run_obj = run
-        if steps is not None:
+        if steps is not None or eval_trials is not None:
             body = run.to_wire()
-            body["spec"].setdefault("stop", {})["maxSteps"] = steps
-            self.run_obj = RLRun.model_validate(body)
+            if steps is not None:
+                body["spec"].setdefault("stop", {})["maxSteps"] = steps
+            if eval_trials is not None:
+                body["spec"].setdefault("evaluation", {})["trialsPerTask"] = eval_trials
+            try:
+                self.run_obj = RLRun.model_validate(body)
+            except ValueError as exc:
+                raise RunError(f"the overrides make the manifest invalid: {exc}") from None
         self.paths = RunPaths(root)
         self.out = out
         self.engine_startup_seconds = engine_startup_seconds
@@ -414,13 +421,18 @@ def main(argv: list[str], out: TextIO = sys.stdout, configure: Callable[[], None
     parser.add_argument("manifest", help="an RLRun manifest (e.g. examples/tiny-local.yaml)")
     parser.add_argument("--dir", help="folder for the run store and work files (default .legorl/runs/NAME)")
     parser.add_argument("--steps", type=int, help="override stop.maxSteps")
+    parser.add_argument(
+        "--eval-trials", type=int, help="override evaluation.trialsPerTask (trials per held-out task)"
+    )
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run = load_run(args.manifest)
         root = Path(args.dir) if args.dir else Path(".legorl") / "runs" / run.metadata.name
-        return EmbeddedRun(run, root=root.resolve(), out=out, steps=args.steps).run()
+        return EmbeddedRun(
+            run, root=root.resolve(), out=out, steps=args.steps, eval_trials=args.eval_trials
+        ).run()
     except RunError as exc:
         sys.stderr.write(f"legorl run: {exc}\n")
         return 2
