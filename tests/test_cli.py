@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from legorl.cli.main import build_parser
-from legorl.embedded.runner import EmbeddedRun, load_run
+from legorl.controller.loop import Progress
+from legorl.embedded.runner import EmbeddedRun, format_progress, load_run
 from legorl.operator.settings import OperatorSettings, from_environment
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.yaml"))
@@ -310,3 +311,12 @@ def test_run_overrides_apply_and_bad_ones_exit_2(run_cli: Cli, tmp_path: Path) -
     assert code == 2
     assert "overrides make the manifest invalid" in err and "trialsPerTask" in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_progress_line_says_when_the_fidelity_guard_fired() -> None:
+    calm = format_progress(Progress(run="x", fidelity_correlation=0.9991))
+    assert "fidelity 0.9991" in calm and "DEGRADED" not in calm
+    fired = Progress(
+        run="x", fidelity_correlation=0.5, fidelity_below_steps=3, degraded_reason="FidelityBelowThreshold"
+    )
+    assert "DEGRADED: FidelityBelowThreshold (3 step(s))" in format_progress(fired)

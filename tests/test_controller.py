@@ -147,6 +147,8 @@ class FakeTrainer:
         self.lag = lag
         self.step = 0
         self._polls = 0
+        self.fidelity: Callable[[int], float] | None = None
+        """When set, the rollout-vs-training correlation the trainer records for each step it trains."""
 
     def served_step(self) -> int:
         committed = self.store.committed_steps()
@@ -156,6 +158,10 @@ class FakeTrainer:
                 self._polls = 0
                 self.step += 1
                 state = {"step": self.step, "policy_version": policy_version(self.step)}
+                if self.fidelity is not None:
+                    self.store.write_metrics(
+                        self.step, {"step": self.step, "fidelity_pearson": self.fidelity(self.step)}
+                    )
                 self.store.write_trainer_state(state)
         return self.step
 
@@ -323,3 +329,47 @@ def test_stop_from_another_thread(tmp_path: Path) -> None:
     outcome = ctl.run()
     timer.join()
     assert outcome.state == "Stopped"
+
+
+def test_fidelity_guard_pauses_after_k_low_steps_and_a_resume_rearms_it(tmp_path: Path) -> None:
+    guard = {"minCorrelation": "0.99", "windowSteps": 2, "action": "Pause"}
+    run = make_run(stop={"maxSteps": 6}, tasks={"epochs": 5}, fidelity=guard)
+    ctl, backend, trainer, store = controller(tmp_path, run)
+    trainer.fidelity = lambda step: 0.999 if step == 1 else 0.5  # steps 2 and 3 below: window reached
+    outcome = ctl.run()
+    assert (outcome.state, outcome.reason) == ("Stopped", "FidelityBelowThreshold"), outcome.message
+    assert "step 2: 0.5000, step 3: 0.5000" in outcome.message and "re-arms" in outcome.message
+    assert ctl.progress.degraded_reason == "FidelityBelowThreshold"
+    assert ctl.progress.fidelity_below_steps == 2
+    assert max(store.committed_steps()) < 6
+    assert not backend.running()  # running trials were cancelled
+    saved = store.read_controller_state()
+    assert saved is not None and saved["fidelity_guard_after"] == 3
+    assert saved["degraded_reason"] == "FidelityBelowThreshold"
+
+    # Resumed with healthy fidelity: the old low steps do not pause it again; it runs to the end.
+    ctl2, _, trainer2, _ = controller(tmp_path, run)
+    trainer2.step = 3
+    trainer2.fidelity = lambda step: 0.999
+    outcome = ctl2.run()
+    assert outcome.reason == "MaxSteps", outcome.message
+    assert ctl2.progress.degraded_reason is None and ctl2.progress.fidelity_below_steps == 0
+
+
+def test_fidelity_guard_alert_degrades_without_stopping_and_one_low_step_is_not_enough(
+    tmp_path: Path,
+) -> None:
+    run = make_run(fidelity={"windowSteps": 2, "action": "Alert"})
+    ctl, _, trainer, _ = controller(tmp_path, run)
+    trainer.fidelity = lambda step: 0.5
+    outcome = ctl.run()
+    assert outcome.reason == "MaxSteps", outcome.message
+    assert ctl.progress.degraded_reason == "FidelityBelowThreshold"
+    assert "3 consecutive step(s)" in ctl.progress.degraded_message
+
+    # Near miss: low steps separated by a healthy one never make a window of 2.
+    ctl, _, trainer, _ = controller(tmp_path / "b", make_run(fidelity={"windowSteps": 2, "action": "Pause"}))
+    trainer.fidelity = lambda step: 0.5 if step % 2 else 0.995
+    outcome = ctl.run()
+    assert outcome.reason == "MaxSteps", outcome.message
+    assert ctl.progress.degraded_reason is None

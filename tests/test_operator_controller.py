@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import io
 import json
 import shutil
@@ -542,7 +543,7 @@ def cluster_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     with contextlib.ExitStack() as stack:
 
-        def make(scripts: dict[str, Script]) -> Cluster:
+        def make(scripts: dict[str, Script], spec: dict[str, Any] | None = None) -> Cluster:
             pristine = make_repo(tmp_path / "pristine")
             store_dir = tmp_path / "store"
             fleet, pool, run, _ = manifests("shared-fleet-and-pool.yaml")
@@ -556,6 +557,7 @@ def cluster_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
                     "algorithm": {"name": "GRPO", "groupSize": 2, "tasksPerStep": 1},
                     "store": {"uri": f"file://{store_dir}"},
                     "stop": {"maxSteps": 2},
+                    **(spec or {}),
                 }
             )
             port = free_port()
@@ -781,6 +783,41 @@ def test_suspend_cancels_running_trials_and_cleans_up(cluster_factory: Any) -> N
     assert set(again) == set(pods) and {p["metadata"]["uid"] for p in again.values()}.isdisjoint(
         p["metadata"]["uid"] for p in pods.values()
     )
+
+
+@pytest.mark.slow
+def test_fidelity_guard_suspends_the_run_and_a_resume_goes_on(cluster_factory: Any) -> None:
+    scripts = {
+        "s1-t0-r0": Script("solve"),
+        "s1-t0-r1": Script("wrong"),
+        "s2-t0-r0": Script("solve", hold=True),
+        "s2-t0-r1": Script("wrong", hold=True),
+    }
+    guard = {"fidelity": {"minCorrelation": "0.99", "windowSteps": 1, "action": "Pause"}}
+    cluster: Cluster = cluster_factory(scripts, spec=guard)
+    mock, engine, store, wait = cluster.mock, cluster.engine, cluster.store, cluster.wait
+    wait(lambda: store.committed_steps() == [1], "step 1 committed", timeout=60)
+    # The trainer (played here) trains step 1 with a correlation far below the guard's floor.
+    store.write_metrics(1, {"step": 1, "fidelity_pearson": 0.42})
+    engine.version = "v1"
+    store.write_trainer_state({"policy_version": "v1", "step": 1})
+    wait(lambda: rlrun(mock)["spec"].get("suspend") is True, "the guard suspended the run")
+    degraded = wait(
+        lambda: condition(mock, "Degraded")["status"] == "True" and condition(mock, "Degraded"), "Degraded"
+    )
+    assert degraded["reason"] == "FidelityBelowThreshold"
+    assert "step 1: 0.4200" in degraded["message"] and "suspended" in degraded["message"]
+    wait(lambda: rlrun(mock)["status"]["phase"] in ("Suspended", "Degraded"), "paused phase")
+    events = [e for e in mock.objects("v1", "events", NS) if e.get("reason") == "FidelityBelowThreshold"]
+    assert events and events[0]["type"] == "Warning" and "suspended" in events[0]["message"]
+    wait(lambda: not pods_of(mock, "trial"), "no trial pods while paused")
+    assert store.committed_steps() == [1]
+
+    # A person looks, then resumes: the guard re-arms (step 1 no longer counts) and step 2 runs.
+    mock.patch(GV, "rlruns", NS, RUN, {"spec": {"suspend": False}})
+    wait(lambda: len(pods_of(mock, "trial")) == 2, "step 2 trial pods after the resume")
+    wait(lambda: condition(mock, "Degraded")["status"] == "False", "Degraded cleared")
+    assert rlrun(mock)["spec"].get("suspend") is False
 
 
 def wait_until(predicate: Any, kubelet: Kubelet, timeout: float = TIMEOUT) -> None:
@@ -1029,7 +1066,20 @@ def test_run_status_follows_the_controller_report() -> None:
         metrics={"reward_mean": 0.123456, "fidelity_correlation": 0.95, "trials_per_minute": 12.0},
         message="step 3/200, policy v3: 8 trial(s) running, 40 finished",
         has_progress=True,
+        degraded=("FidelityBelowThreshold", "correlation below 0.99 for 3 consecutive step(s)"),
     )
+    # One low step is only a figure; Degraded needs the loop's guard (fidelity.windowSteps steps).
+    calm = compute_run_status(
+        run,
+        Observed(),
+        NOW,
+        fleet=fleet,
+        pool=pool,
+        problems=[],
+        store_uri="s3://x",
+        controller=dataclasses.replace(report, degraded=None),
+    )
+    assert find_condition(calm.conditions, "Degraded").status == "False"  # type: ignore[union-attr]
     status = compute_run_status(
         run, Observed(), NOW, fleet=fleet, pool=pool, problems=[], store_uri="s3://x", controller=report
     )
@@ -1049,6 +1099,7 @@ def test_run_status_follows_the_controller_report() -> None:
     assert status.metrics.reward_mean == 0.1235
     degraded = find_condition(status.conditions, "Degraded")
     assert degraded is not None and (degraded.status, degraded.reason) == ("True", "FidelityBelowThreshold")
+    assert "3 consecutive step(s)" in degraded.message
     done = ControllerReport(
         has_progress=True, step=200, outcome=("Succeeded", "MaxSteps", "trained 200 steps")
     )

@@ -17,6 +17,10 @@ One `RunController` drives one RLRun over a `TrialBackend` and a `RunStore`:
 - **Stop conditions**: `stop.maxSteps`, `stop.maxDurationSeconds`, `stop.targetReward` (mean training
   reward of a step), tasks exhausted (`tasks.epochs`), the share of infrastructure failures in a step above
   `stop.maxInfraFailurePercent` (the run fails: its rewards would be meaningless), or `stop()`.
+- **Fidelity guard** (`fidelity`): when the trainer's rollout-vs-training correlation stays below
+  `minCorrelation` for `windowSteps` consecutive steps, the run is Degraded (`FidelityBelowThreshold`);
+  with `action: Pause` it also stops (cancelling running trials) with that reason. A resume re-arms the
+  guard: it counts only steps trained after the pause.
 - **Resume.** Everything needed is in the store: committed steps, saved trials (re-used, never re-run),
   finished evaluations, the trainer's state (the served version). Trials still running in the backend
   (Kubernetes pods) are adopted. A restarted controller continues where the last one stopped.
@@ -46,6 +50,10 @@ from .backend import BackendError, TrialBackend, TrialRequest
 from .plan import TaskPlan, wilson_interval
 
 log = logging.getLogger(__name__)
+
+
+FIDELITY_REASON = "FidelityBelowThreshold"
+"""The RLRun's Degraded reason (and the run's end reason when the guard pauses it)."""
 
 
 class TrainerHandle(Protocol):
@@ -107,6 +115,13 @@ class Progress:
     elapsed_seconds: float = 0.0
     phase_seconds: dict[str, float] = field(default_factory=dict)
     """Wall time spent in trial stages summed over trials, and waiting for the trainer."""
+    fidelity_below_steps: int = 0
+    """Newest consecutive steps whose correlation is below fidelity.minCorrelation (the guard's count)."""
+    fidelity_guard_after: int = 0
+    """The guard counts only steps after this one: where it last paused the run (a resume re-arms it)."""
+    degraded_reason: str | None = None
+    """`FidelityBelowThreshold` while the guard has fired (the RLRun's Degraded condition)."""
+    degraded_message: str = ""
     message: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -122,7 +137,7 @@ class RunOutcome:
     state: Literal["Succeeded", "Failed", "Stopped"]
     reason: str
     """CamelCase, for the RLRun's condition: MaxSteps, TasksExhausted, TargetReward, MaxDuration,
-    InfraFailures, TrainerFailed, BackendFailed, Stopped."""
+    InfraFailures, TrainerFailed, BackendFailed, Stopped, FidelityBelowThreshold (paused by the guard)."""
     message: str
     progress: Progress
 
@@ -194,6 +209,8 @@ class RunController:
         self._wait_started: float | None = None
         self._counted: set[str] = set()
         self._published_at = -math.inf
+        self._guard_paused = False
+        self._guard_newest = 0
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -224,6 +241,19 @@ class RunController:
             if problem is not None:
                 self._cancel_all()
                 return self._end("Failed", "TrainerFailed", f"the trainer failed: {problem}")
+            if self.progress.degraded_reason == FIDELITY_REASON and self.spec.fidelity.action == "Pause":
+                self._cancel_all()
+                self._guard_paused = True
+                self.progress.fidelity_guard_after = max(
+                    self.progress.fidelity_guard_after, self._guard_newest
+                )
+                return self._end(
+                    "Stopped",
+                    FIDELITY_REASON,
+                    f"paused by the fidelity guard: {self.progress.degraded_message}. Find the cause "
+                    "(see the trainer's fidelity figures), then resume; the guard re-arms and pauses again "
+                    f"only after {self.spec.fidelity.window_steps} new step(s) below the threshold",
+                )
             limit = self.spec.stop.max_duration_seconds
             if limit is not None and self.clock() - self._started >= limit:
                 self._cancel_all()
@@ -462,6 +492,8 @@ class RunController:
     # -- resume, cancel, end ----------------------------------------------------------------------
 
     def _resume(self) -> None:
+        saved = self.store.read_controller_state() or {}
+        self.progress.fidelity_guard_after = int(saved.get("fidelity_guard_after") or 0)
         committed = self.store.committed_steps()
         for step in committed:
             for record in self.store.read_batch(step).trials:
@@ -496,6 +528,37 @@ class RunController:
         self.progress.fidelity_correlation = _number(last.get("fidelity_pearson"))
         self.progress.max_abs_logprob_delta = _number(last.get("fidelity_max_abs_logprob_delta"))
         self.progress.tokens_per_second = _number(last.get("tokens_per_second"))
+        if not self._guard_paused:
+            self._fidelity_guard(metrics)
+
+    def _fidelity_guard(self, metrics: list[dict[str, Any]]) -> None:
+        """Count the newest consecutive steps below fidelity.minCorrelation (after the last pause); at
+        `windowSteps` of them the run is Degraded (and `_run` pauses it when the action is Pause)."""
+        guard = self.spec.fidelity
+        floor = float(guard.min_correlation)
+        below: list[tuple[int, float]] = []
+        for figures in reversed(metrics):
+            step = int(figures.get("step") or 0)
+            if step <= self.progress.fidelity_guard_after:
+                break
+            value = _number(figures.get("fidelity_pearson"))
+            if value is None:
+                continue  # a step with nothing trained says nothing about fidelity
+            if value >= floor:
+                break
+            below.append((step, value))
+        self.progress.fidelity_below_steps = len(below)
+        self._guard_newest = below[0][0] if below else 0
+        if len(below) >= guard.window_steps:
+            shown = ", ".join(f"step {s}: {v:.4f}" for s, v in reversed(below[: guard.window_steps]))
+            self.progress.degraded_reason = FIDELITY_REASON
+            self.progress.degraded_message = (
+                f"rollout vs. training probability correlation below fidelity.minCorrelation {floor} for "
+                f"{len(below)} consecutive step(s) ({shown}): the trainer is not scoring what the engine "
+                "sampled"
+            )
+        elif self.progress.degraded_reason == FIDELITY_REASON:
+            self.progress.degraded_reason, self.progress.degraded_message = None, ""
 
     def _cancel_all(self) -> None:
         for trial in list(self._in_flight):

@@ -188,6 +188,8 @@ def format_progress(p: Progress) -> str:
         f"{p.trials_per_minute:.1f} trials/min" if p.trials_per_minute else "- trials/min",
         f"ETA {_clock(p.eta_seconds)}",
     ]
+    if p.degraded_reason:
+        parts.append(f"DEGRADED: {p.degraded_reason} ({p.fidelity_below_steps} step(s))")
     text = " | ".join(parts)
     return f"{text} | {p.message}" if p.message else text
 

@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from legorl.api.conditions import find_condition
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
 from legorl.api.run import RunMetrics
 from legorl.api.store import RunStore, StoreError
-from legorl.controller.loop import Progress, RunController, RunOutcome
+from legorl.controller.loop import FIDELITY_REASON, Progress, RunController, RunOutcome
 from legorl.controller.plan import PlanError
 from legorl.operator.kube import ApiError
 from legorl.operator.reconcile import Reconciler, TransientError
@@ -104,6 +105,7 @@ def progress_report(
         message=message,
         has_progress=True,
         outcome=(outcome.state, outcome.reason, outcome.message) if outcome is not None else None,
+        degraded=(progress.degraded_reason, progress.degraded_message) if progress.degraded_reason else None,
     )
 
 
@@ -205,6 +207,10 @@ class RunDaemon:
                     continue
                 backoff = self.settings.poll_seconds
                 self.report(progress_report(outcome.progress, running=False, outcome=outcome))
+                if outcome.reason == FIDELITY_REASON:
+                    # fidelity.action Pause: suspend the run (as a person would) so that nothing
+                    # restarts it until someone looks; resuming re-arms the guard.
+                    await self._suspend(run, outcome.message, stopped, stopping)
                 if outcome.state != "Stopped":
                     log.info(
                         "RLRun %s/%s ended: %s (%s)",
@@ -221,6 +227,35 @@ class RunDaemon:
                 # Cancelled by kopf while the loop runs: never leave it behind; the next daemon adopts.
                 current.backend.detach()
                 current.controller.stop()
+
+    async def _suspend(self, run: RLRun, why: str, stopped: Any, stopping: asyncio.Event) -> None:
+        """Set `spec.suspend` and wait until the operator's cache shows it (a loop restarted before that
+        would run on); retried with backoff, since a pause that did not land must not be forgotten."""
+        client = self.reconciler.client
+        name = self.key[2]
+        backoff = self.settings.poll_seconds
+        patched = False
+        while not (stopped or stopping.is_set()):
+            current = self._run()
+            if current is None or current.spec.suspend:
+                return
+            if not patched:
+                try:
+                    await client.merge_patch("RLRun", self.namespace, name, {"spec": {"suspend": True}})
+                    patched = True
+                    log.warning("RLRun %s/%s suspended by the fidelity guard: %s", self.namespace, name, why)
+                    with contextlib.suppress(ApiError):
+                        await client.event(
+                            run.to_wire(),
+                            type_="Warning",
+                            reason=FIDELITY_REASON,
+                            message=f"suspended (fidelity.action Pause): {why}"[:1000],
+                            now=datetime.now(UTC),
+                        )
+                except ApiError as exc:
+                    log.error("RLRun %s/%s: could not suspend it: %s", self.namespace, name, exc)
+            await self._sleep(stopped, stopping, backoff)
+            backoff = min(backoff * 2, 30.0)
 
     def _run(self) -> RLRun | None:
         body = self.reconciler.store.objects.get(self.key)

@@ -59,6 +59,8 @@ class ControllerReport:
     """(Succeeded | Failed | Stopped, reason, message) once the loop ended."""
     problem: str | None = None
     """Why the loop cannot start (task set or store unreadable); retried."""
+    degraded: tuple[str, str] | None = None
+    """(reason, message) while the loop's fidelity guard has fired."""
 
 
 def is_terminal(conditions: Sequence[Condition]) -> bool:
@@ -297,19 +299,14 @@ def _trial_summary(controller: ControllerReport) -> TrialSummary:
 
 
 def _set_degraded(conds: ConditionSet, run: RLRun, controller: ControllerReport) -> None:
-    """Degraded from the controller's figures: fidelity below the guard, or many infra failures."""
-    fidelity = controller.metrics.get("fidelity_correlation")
-    floor = float(run.spec.fidelity.min_correlation)
+    """Degraded from the controller's figures: the fidelity guard fired (the correlation stayed below
+    fidelity.minCorrelation for fidelity.windowSteps steps), or many infra failures."""
     infra = sum(n for r, n in controller.by_reason.items() if r in {x.value for x in INFRA_REASONS})
     limit = run.spec.stop.max_infra_failure_percent / 2
-    if fidelity is not None and fidelity < floor:
-        conds.set(
-            T.DEGRADED,
-            "True",
-            R.FIDELITY_BELOW_THRESHOLD,
-            f"rollout vs. training probability correlation {fidelity:.4f} is below "
-            f"fidelity.minCorrelation {floor}: the trainer is not scoring what the engine sampled",
-        )
+    if controller.degraded is not None and controller.degraded[0] == R.FIDELITY_BELOW_THRESHOLD.value:
+        action = run.spec.fidelity.action
+        then = "; the run was suspended (fidelity.action Pause)" if action == "Pause" else ""
+        conds.set(T.DEGRADED, "True", R.FIDELITY_BELOW_THRESHOLD, controller.degraded[1] + then)
     elif controller.trials_total >= 10 and 100 * infra / controller.trials_total > limit:
         share = 100 * infra / controller.trials_total
         conds.set(
