@@ -45,6 +45,9 @@ from legorl.sandbox.task import TaskSet, load_task_set
 
 log = logging.getLogger(__name__)
 
+DEFAULT_UI_PORT = 8090
+"""Where `legorl run` serves the live UI (the chart's UI port too)."""
+
 _SERVER_FLAGS = {"--served-model-name", "--host", "--port"}
 
 
@@ -244,8 +247,10 @@ class EmbeddedRun:
         out: TextIO = sys.stdout,
         steps: int | None = None,
         eval_trials: int | None = None,
+        ui_port: int | None = DEFAULT_UI_PORT,
         engine_startup_seconds: float = 600.0,
     ) -> None:
+        self.ui_port = ui_port
         self.run_obj = run
         if steps is not None or eval_trials is not None:
             body = run.to_wire()
@@ -317,17 +322,12 @@ class EmbeddedRun:
             raise RunError(f"local sandboxes: {exc}") from exc
         return store, task_set, model, sandbox
 
-    def run(self) -> int:
-        started = time.monotonic()
-        run = self.run_obj
-        spec = run.spec
-        store, task_set, model, sandbox = self._prepare()
-        from legorl.trainer.service import TrainingService  # noqa: PLC0415 - torch only when running
-        from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
-
+    def start_engine(self, model: Path) -> VllmServer:
+        """vLLM serving `model` with the flags the operator's fleet gets for this manifest, version v0."""
+        spec = self.run_obj.spec
         engine = VllmServer(
             model,
-            engine_args=engine_args(run),
+            engine_args=engine_args(self.run_obj),
             startup_timeout=self.engine_startup_seconds,
             log_path=self.paths.work / "logs" / "engine.log",
             max_model_len=spec.fleet.settings.max_model_len or 4096 if spec.fleet else 4096,
@@ -337,8 +337,20 @@ class EmbeddedRun:
         engine.start()
         engine.set_weight_version("v0")  # the trainer's catch-up renames it when it loads newer weights
         self.say(f"vLLM ready at {engine.url} in {time.monotonic() - t0:.0f} s (log {engine.log_path})")
+        return engine
+
+    def run(self) -> int:
+        started = time.monotonic()
+        run = self.run_obj
+        spec = run.spec
+        store, task_set, model, sandbox = self._prepare()
+        from legorl.trainer.service import TrainingService  # noqa: PLC0415 - torch only when running
+        from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
+
+        engine = self.start_engine(model)
         backend: LocalTrialBackend | None = None
         previous = signal.getsignal(signal.SIGINT)
+        stop_ui = self._start_ui(engine.url)
         try:
             settings = TrainerSettings.from_run(
                 run,
@@ -381,10 +393,37 @@ class EmbeddedRun:
             if self.trainer is not None:
                 self.trainer.stop()
             engine.close()
+            if stop_ui is not None:
+                stop_ui()
         self.say(summary(store, outcome, time.monotonic() - started))
         if outcome.state == "Stopped":
             self.say(f"stopped: run the same command again to resume ({self.paths.store})")
         return 0 if outcome.state != "Failed" else 1
+
+    def _start_ui(self, engine_url: str) -> Callable[[], None] | None:
+        """The live UI on this run's store (and engine), on `ui_port` or, when that is taken, a free one.
+        A run without the UI is still a run: a UI that cannot start is reported, not fatal."""
+        if self.ui_port is None:
+            return None
+        try:
+            from legorl.ui.server import start_in_thread  # noqa: PLC0415 - the `ui` extra
+        except ImportError as exc:
+            self.say(f"UI: not started ({exc}; install legorl[ui])")
+            return None
+        engines = {self.run_obj.metadata.name: engine_url}
+        problem: Exception | None = None
+        for port in dict.fromkeys((self.ui_port, 0)):
+            try:
+                url, stop = start_in_thread([str(self.paths.store)], port=port, engines=engines)
+            except (OSError, RuntimeError) as exc:
+                problem = exc
+                continue
+            self.say(
+                f"UI: {url} (live while this run runs; afterwards: legorl ui --store {self.paths.store})"
+            )
+            return stop
+        self.say(f"UI: not started ({problem})")
+        return None
 
     def _interrupt(self, signum: int, frame: FrameType | None) -> None:
         self._interrupts += 1
@@ -426,15 +465,40 @@ def main(argv: list[str], out: TextIO = sys.stdout, configure: Callable[[], None
     parser.add_argument(
         "--eval-trials", type=int, help="override evaluation.trialsPerTask (trials per held-out task)"
     )
+    parser.add_argument(
+        "--ui-port",
+        type=int,
+        default=DEFAULT_UI_PORT,
+        help=f"port of the live UI on 127.0.0.1 (default {DEFAULT_UI_PORT}; a free one when taken)",
+    )
+    parser.add_argument("--no-ui", action="store_true", help="do not serve the live UI")
+    parser.add_argument(
+        "--canary",
+        action="store_true",
+        help="check before a long run: preflight, one trial end to end, token and routing parity "
+        "(exit 1 when a check fails; the result goes to the run store's validation/latest.json)",
+    )
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run = load_run(args.manifest)
         root = Path(args.dir) if args.dir else Path(".legorl") / "runs" / run.metadata.name
-        return EmbeddedRun(
-            run, root=root.resolve(), out=out, steps=args.steps, eval_trials=args.eval_trials
-        ).run()
+        embedded = EmbeddedRun(
+            run,
+            root=root.resolve(),
+            out=out,
+            steps=args.steps,
+            eval_trials=args.eval_trials,
+            ui_port=None if args.no_ui or args.canary else args.ui_port,
+        )
+        if args.canary:
+            from legorl.embedded.canary import run_canary  # noqa: PLC0415
+
+            report = run_canary(embedded)
+            embedded.say(report.text())
+            return 1 if report.result == "Failed" else 0
+        return embedded.run()
     except RunError as exc:
         sys.stderr.write(f"legorl run: {exc}\n")
         return 2

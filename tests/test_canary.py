@@ -1,0 +1,113 @@
+"""`legorl run --canary`'s verdicts from a trial record and the trainer's scoring (the whole canary,
+with vLLM, a sandboxed harness and megatron-core, runs in tests/test_embedded_run.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from legorl.api.kinds import RLRun
+from legorl.api.store import RunStore
+from legorl.api.termination import TerminationReason
+from legorl.api.trajectory import Segment, TrialRecord
+from legorl.embedded.canary import (
+    VALIDATION_OBJECT,
+    CanaryReport,
+    Check,
+    parity_checks,
+    preflight_check,
+    trial_check,
+    write_report,
+)
+from legorl.embedded.runner import load_run
+from legorl.trainer.train import ScoredBatch
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny-local.yaml"
+NOW = datetime(2026, 12, 1, tzinfo=UTC)
+
+
+def record(
+    reason: TerminationReason = TerminationReason.COMPLETED, reward: float | None = 0.0
+) -> TrialRecord:
+    segment = Segment(
+        index=0,
+        token_ids=[1, 2, 3, 4],
+        loss_mask=[0, 1, 1, 1],
+        behavior_logprobs=[0.0, -0.1, -2.0, -0.7],
+        turn_indices=[0],
+        policy_versions=["v0"],
+    )
+    return TrialRecord(
+        run="tiny-local",
+        trial="canary-t0-r0",
+        task_id="tiny-python__intervals-001",
+        group_id="canary-t0",
+        split="train",
+        step=0,
+        harness="MiniSweAgent",
+        termination_reason=reason,
+        reward=reward,
+        started_at=NOW,
+        ended_at=NOW,
+        segments=[segment],
+        num_turns=2,
+        stage_seconds={"agent": 20.0, "verify": 3.0},
+        error="proxy: engine answered 503" if reason is TerminationReason.ENGINE_ERROR else None,
+    )
+
+
+def scored(train: list[float], behavior: list[float], replayed: bool = False) -> ScoredBatch:
+    t = torch.tensor(train)
+    return ScoredBatch(t, torch.tensor(behavior), torch.full_like(t, replayed, dtype=torch.bool))
+
+
+def run() -> RLRun:
+    return load_run(str(EXAMPLE))
+
+
+def test_a_failed_task_passes_a_broken_trial_fails() -> None:
+    assert trial_check(record(reward=0.0), 30).result == "Passed"
+    broken = trial_check(record(TerminationReason.ENGINE_ERROR, None), 30)
+    assert broken.result == "Failed" and "engine_error" in broken.message and "503" in broken.message
+    unscored = trial_check(record(reward=None), 30)
+    assert unscored.result == "Failed" and "verifier" in unscored.message
+    assert trial_check(None, 420).result == "Failed"
+
+
+def test_token_parity_fails_below_the_guard_and_routing_never_passes_silently() -> None:
+    behavior = [-0.1, -2.0, -0.7, -1.2]
+    token, routing = parity_checks(record(), scored(behavior, behavior), run())
+    assert token.result == "Passed" and token.figures["pearson"] > 0.9999
+    assert routing.result == "Warning" and "no routed experts" in routing.message
+    token, _ = parity_checks(record(), scored([-1.5, -0.2, -0.1, -3.0], behavior), run())
+    assert token.result == "Failed" and "below fidelity.minCorrelation 0.99" in token.message
+    routed = record()
+    routed = dataclasses.replace(
+        routed, segments=[dataclasses.replace(routed.segments[0], routed_experts=[0] * 8)]
+    )
+    _, routing = parity_checks(routed, scored(behavior, behavior, replayed=False), run())
+    assert routing.result == "Failed" and "0.0%" in routing.message
+    _, routing = parity_checks(routed, scored(behavior, behavior, replayed=True), run())
+    assert routing.result == "Passed"
+
+
+def test_preflight_and_the_stored_report(tmp_path: Path) -> None:
+    assert preflight_check(run()).result == "Passed"
+    body = run().to_wire()
+    body["spec"]["fleet"]["settings"]["dtype"] = "bfloat16"  # the trainer stays float32
+    mismatch = preflight_check(RLRun.model_validate(body))
+    assert mismatch.result in ("Warning", "Failed") and "dtype" in mismatch.message
+    report = CanaryReport(
+        run="tiny-local",
+        time="2026-12-01T00:00:00+00:00",
+        seconds=95.0,
+        checks=[Check("preflight", "Passed", "ok"), Check("routing-parity", "Warning", "no routing")],
+    )
+    assert report.result == "Warning" and "routing-parity  Warning" in report.text()
+    store = RunStore(str(tmp_path))
+    write_report(store, report)
+    saved = (tmp_path / VALIDATION_OBJECT).read_text()
+    assert '"result": "Warning"' in saved
