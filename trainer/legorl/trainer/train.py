@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from legorl.api.store import policy_version
 from legorl.api.trajectory import TrialRecord
 from legorl.trainer import compat, convert, data, loss, model, replay
 from legorl.trainer.settings import TrainerSettings
@@ -231,6 +232,12 @@ class PolicyTrainer:
             # Mini-batches: contiguous slices of the batch's sequences, one optimizer step each.
             size = math.ceil(len(sequences) / s.mini_batches) if sequences else 1
             minis = [self._pack(sequences[i : i + size]) for i in range(0, len(sequences), size)]
+            # Fidelity compares the engine's and the trainer's probabilities of one policy: only
+            # segments sampled entirely by the version being trained (v<step-1>) count. Stale ones
+            # (async mode) differ by the updates in between, which is staleness, not infidelity.
+            current = policy_version(step - 1)
+            same = [q.policy_versions == (current,) for q in sequences]
+            on_policy = [same[i : i + size] for i in range(0, len(sequences), size)]
         micro_batches = [m for mini in minis for m in mini]
         if not any(m.num_loss_tokens for m in micro_batches):
             figures["skipped"] = "no trials left after filtering" if not kept else "no sampled tokens"
@@ -246,10 +253,10 @@ class PolicyTrainer:
         olds = None if len(minis) == 1 else [self._forward(m, grad=False)[0].detach() for m in micro_batches]
         acc = _Accumulator(loss_tokens=sum(m.num_loss_tokens for m in micro_batches), minis=len(minis))
         norms, start = [], 0
-        for mini in minis:
+        for index, mini in enumerate(minis):
             old = olds[start : start + len(mini)] if olds is not None else None
             start += len(mini)
-            self._accumulate_gradients(mini, acc, old)
+            self._accumulate_gradients(mini, acc, old, on_policy[index])
             grad_norm = self._optimizer_step()
             norms.append(grad_norm)
             if not math.isfinite(grad_norm):
@@ -296,11 +303,14 @@ class PolicyTrainer:
         micro_batches: Sequence[data.MicroBatch],
         acc: _Accumulator,
         olds: Sequence[torch.Tensor] | None = None,
+        on_policy: Sequence[bool] | None = None,
     ) -> None:
         """Forward and backward every micro-batch of one mini-batch; gradients add up to its whole loss.
 
         `olds`: each micro-batch's log-probs before this step's first update (several mini-batches);
         None when the mini-batch is the whole batch and the policy being trained is the old one.
+        `on_policy`: per sequence of the mini-batch (`MicroBatch.seq_index`), whether the version being
+        trained sampled it; only those tokens enter the fidelity figures (all when None).
         """
         s = self.settings
         self.model.train()
@@ -352,8 +362,12 @@ class PolicyTrainer:
             acc.clip_fraction += float(stats["clip_fraction"]) * share
             acc.capped_share += float(is_stats["capped_fraction"]) * share
             keep = micro.loss_mask.bool()
-            acc.train.append(old_logp.float().cpu()[keep])
-            acc.behavior.append(micro.behavior_logprobs[keep])
+            same = keep
+            if on_policy is not None:
+                rows = torch.tensor([on_policy[int(i)] for i in micro.seq_index], dtype=torch.bool)
+                same = keep & rows[:, None]
+            acc.train.append(old_logp.float().cpu()[same])
+            acc.behavior.append(micro.behavior_logprobs[same])
             acc.replayed.append(covered[keep])
             acc.weights.append(weights.float().cpu()[keep])
             acc.tokens_through += int(micro.lengths.sum())
@@ -442,8 +456,9 @@ class _Accumulator:
     weights: list[torch.Tensor] = field(default_factory=list)
 
     def figures(self) -> dict[str, Any]:
-        scored = ScoredBatch(torch.cat(self.train), torch.cat(self.behavior), torch.cat(self.replayed))
-        fid = scored.fidelity()
+        train, behavior = torch.cat(self.train), torch.cat(self.behavior)
+        fid = loss.fidelity_stats(train[None], behavior[None], torch.ones_like(train)[None])
+        replayed = torch.cat(self.replayed)
         return {
             "loss": self.loss,
             "entropy": self.entropy,
@@ -455,6 +470,7 @@ class _Accumulator:
             "fidelity_mean_abs_logprob_delta": fid["mean_abs_logprob_delta"],
             "fidelity_max_abs_logprob_delta": fid["max_abs_logprob_delta"],
             "fidelity_kl": fid["kl"],
-            "replayed_token_share": fid["replayed_share"],
+            "fidelity_tokens": int(fid["tokens"]),
+            "replayed_token_share": float(replayed.float().mean()) if replayed.numel() else 0.0,
             "loss_tokens": self.loss_tokens,
         }
