@@ -34,7 +34,7 @@ def test_validate_reports_every_problem_with_location(run_cli: Cli, tmp_path: Pa
     bad.write_text(
         GOOD.replace("groupSize: 4", "groupSize: 1")
         .replace("maxTurns: 4", "maxTurn: 4")
-        .replace('learningRate: "3e-4"', "learningRate: 0.0003")
+        .replace('learningRate: "5e-4"', "learningRate: 0.0005")
     )
     code, out, _ = run_cli("validate", str(bad))
     assert code == 1
@@ -42,7 +42,7 @@ def test_validate_reports_every_problem_with_location(run_cli: Cli, tmp_path: Pa
     assert all(line.startswith(f"{bad}:10 (RLRun/tiny-local): error: ") for line in lines), lines
     text = "\n".join(lines)
     assert "spec.harness.maxTurn: unknown field 'maxTurn'; did you mean 'maxTurns'?" in text
-    assert 'spec.algorithm.learningRate: must be a string; quote the number: "0.0003"' in text
+    assert 'spec.algorithm.learningRate: must be a string; quote the number: "0.0005"' in text
     # CEL problems are reported even while schema problems exist, where the rule can run.
     assert "spec.algorithm.groupSize: GRPO and GSPO compare trials within a group" in text
     assert out.splitlines()[-1] == "1 document(s): 3 error(s), 0 warning(s)"

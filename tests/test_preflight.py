@@ -47,8 +47,8 @@ def test_base_is_clean() -> None:
             "not pinned",
         ),
         (
-            "    tasksPerStep: 4",
-            "    tasksPerStep: 4\n    miniBatches: 17",
+            "    miniBatches: 2 ",
+            "    miniBatches: 17 ",
             "error",
             "spec.algorithm.miniBatches",
             "cannot be cut from a batch of 16",
