@@ -373,3 +373,33 @@ def test_fidelity_guard_alert_degrades_without_stopping_and_one_low_step_is_not_
     outcome = ctl.run()
     assert outcome.reason == "MaxSteps", outcome.message
     assert ctl.progress.degraded_reason is None
+
+
+def test_every_saved_trial_reaches_on_trial_and_its_failures_do_not_stop_the_run(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path / "store"))
+    trainer = FakeTrainer(store)
+    backend = ScriptedBackend(store, alternating, lambda: trainer.step)
+    seen: list[str] = []
+
+    def on_trial(record: TrialRecord) -> None:
+        seen.append(record.trial)
+        raise RuntimeError("the trace exporter is down")
+
+    ctl = RunController(
+        make_run(),
+        store=store,
+        backend=backend,
+        task_set=task_set(),
+        trainer=trainer,
+        on_trial=on_trial,
+        poll_seconds=0.0,
+    )
+    outcome = ctl.run()
+    assert outcome.reason == "MaxSteps", outcome.message
+    saved = {
+        r.trial
+        for split in ("train", "validation")
+        for s in store.saved_steps(split)
+        for r in store.saved_trials(split, s)
+    }
+    assert sorted(seen) == sorted(saved) and len(seen) == 24

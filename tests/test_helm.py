@@ -231,7 +231,8 @@ def test_ui_role_is_read_only(helm: str) -> None:
     assert role["rules"]
     for rule in role["rules"]:
         assert set(rule["verbs"]) <= {"get", "list", "watch"}, f"UI role grants more than reads: {rule}"
-    assert not of_kind(render(helm), "Service"), "the UI renders although ui.enabled is false"
+    ui_services = [s for s in of_kind(render(helm), "Service") if s["metadata"]["name"] == f"{FULLNAME}-ui"]
+    assert not ui_services, "the UI renders although ui.enabled is false"
 
 
 # --- pod security ---------------------------------------------------------------------------------

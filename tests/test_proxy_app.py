@@ -37,6 +37,7 @@ from legorl.proxy.app import ProxyApp
 from legorl.proxy.journal import read_journal
 from legorl.proxy.settings import ProxySettings
 from legorl.proxy.testing import FakeEngine, render_prompt
+from legorl.telemetry.traces import trial_span_id, trial_trace_id
 from tests.asgi_server import free_port, serve
 
 Scope = MutableMapping[str, Any]
@@ -146,6 +147,8 @@ class RecordingEngine:
         self.fake = FakeEngine(**kwargs)
         self.answers: list[Answer] = []
         self.paths: list[str] = []
+        self.headers: list[dict[str, str]] = []
+        """Request headers of each chat call (the trace's `traceparent`)."""
         self.in_flight = 0
         self.max_in_flight = 0
         self.aborted = 0
@@ -162,6 +165,7 @@ class RecordingEngine:
         self.fake.requests.clear()
         self.answers.clear()
         self.paths.clear()
+        self.headers.clear()
         self.max_in_flight = self.in_flight
         self.aborted = 0
         self.routing = None
@@ -183,6 +187,7 @@ class RecordingEngine:
         if scope["path"] != "/v1/chat/completions":
             await self.fake(scope, receive, send)
             return
+        self.headers.append({k.decode().lower(): v.decode() for k, v in scope.get("headers", [])})
         received: list[Message] = []
         while True:
             message = await receive()
@@ -1222,7 +1227,9 @@ def test_a_503_storm_is_retried_through(make_stack: MakeStack) -> None:
     for fmt in FORMATS:
         stack.engine.post("/fake/unavailable", {"count": 3})
         CALLS[fmt](stack, f"SAY: after the swap ({fmt})", stream=fmt == "anthropic")
-    assert metric(stack.metrics(), "legorl_proxy_engine_retries_total") >= 9
+    text = stack.metrics()
+    assert metric(text, "legorl_proxy_engine_retries_total") >= 9
+    assert metric(text, "legorl_proxy_upstream_errors_total", status="503") >= 1
     assert len(assert_journal_matches_engine(stack)) == 3
     assert stack.trajectory()["state"] == "running"
 
@@ -1624,7 +1631,12 @@ def test_metrics(stack: Stack) -> None:
     assert metric(text, "legorl_proxy_segment_merge_ratio") == 0.5
     assert metric(text, "legorl_proxy_ttft_seconds_count") == 1
     assert metric(text, "legorl_proxy_request_seconds_count", api_format="openai_chat") == 3
+    # Four calls reached the engine (the bad temperature never left the proxy); one got its 400.
+    assert metric(text, "legorl_proxy_engine_seconds_count") == 4
+    assert metric(text, "legorl_proxy_upstream_errors_total", status="400") == 1
     assert metric(text, "legorl_proxy_in_flight") == 0
+    # No tracer provider, no trace context: nothing extra goes to the engine.
+    assert not any("traceparent" in headers for headers in stack.engine.app.headers)
 
 
 def test_unexpected_formats_are_counted(make_stack: MakeStack) -> None:
@@ -1678,6 +1690,24 @@ def test_traces(make_stack: MakeStack) -> None:
     assert not failed.status.is_ok
     assert (failed.attributes or {})["legorl.error_kind"] == "context_overflow"
     assert {s.name for s in spans} >= {"journal append"}
+    # Every call's span hangs under the trial's root span (ids derived from run and trial, which the
+    # run controller emits when it collects the trial), and carries the trial id.
+    settings = stack.app.settings
+    for span in servers():
+        assert span.context is not None and span.parent is not None
+        assert span.context.trace_id == trial_trace_id(settings.run, settings.trial)
+        assert span.parent.span_id == trial_span_id(settings.run, settings.trial)
+        assert (span.attributes or {})["legorl.trial"] == settings.trial
+        assert (span.attributes or {})["legorl.run"] == settings.run
+    # The engine got a W3C traceparent naming the client span of its call.
+    clients = {s.context.span_id: s for s in spans if s.kind == SpanKind.CLIENT and s.context}
+    parents = [h["traceparent"] for h in stack.engine.app.headers]
+    assert len(parents) == 3
+    for traceparent in parents:
+        version, trace_id, span_id, flags = traceparent.split("-")
+        assert (version, flags) == ("00", "01")
+        assert int(trace_id, 16) == trial_trace_id(settings.run, settings.trial)
+        assert (clients[int(span_id, 16)].attributes or {})["legorl.trial"] == settings.trial
 
 
 # -- restart, admission ---------------------------------------------------------------------------

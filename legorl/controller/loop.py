@@ -167,6 +167,7 @@ class RunController:
         task_set: TaskSet,
         trainer: TrainerHandle | None = None,
         on_progress: Callable[[Progress], None] | None = None,
+        on_trial: Callable[[TrialRecord], None] | None = None,
         stop: threading.Event | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll_seconds: float = 0.5,
@@ -179,6 +180,7 @@ class RunController:
         self.plan = TaskPlan.from_spec(self.spec, task_set)
         self.trainer: TrainerHandle = trainer or StoreTrainer(store)
         self.on_progress = on_progress
+        self.on_trial = on_trial
         self.stop_event = stop or threading.Event()
         self.clock = clock
         self.poll_seconds = poll_seconds
@@ -369,7 +371,7 @@ class RunController:
                     "the backend returned trial %s, which this controller did not launch", record.trial
                 )
                 continue
-            self.store.save_trial(record)
+            self._save(record)
             self._finished_times.append(self.clock())
             for stage, seconds in record.stage_seconds.items():
                 self._add_phase(stage, seconds)
@@ -571,8 +573,17 @@ class RunController:
                     and record.termination_reason != TerminationReason.CANCELLED
                 ):
                     # It ended on its own before the cancel landed: keep it.
-                    self.store.save_trial(record)
+                    self._save(record)
         self._queue.clear()
+
+    def _save(self, record: TrialRecord) -> None:
+        """Save a finished trial at once (nothing is lost on a crash), then tell `on_trial` (traces)."""
+        self.store.save_trial(record)
+        if self.on_trial is not None:
+            try:
+                self.on_trial(record)
+            except Exception:  # telemetry must never stop a run
+                log.exception("on_trial failed for %s", record.trial)
 
     def _finished(self, served: int) -> RunOutcome:
         reason, message = self._end_reason

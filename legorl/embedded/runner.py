@@ -42,6 +42,7 @@ from legorl.operator.render.fleet import vllm_args
 from legorl.sandbox.bundled import BUILTIN_URI, builtin_task_set, default_cache_dir
 from legorl.sandbox.local import LocalBackend, SandboxError
 from legorl.sandbox.task import TaskSet, load_task_set
+from legorl.telemetry.traces import emit_trial_spans
 
 log = logging.getLogger(__name__)
 
@@ -248,9 +249,13 @@ class EmbeddedRun:
         steps: int | None = None,
         eval_trials: int | None = None,
         ui_port: int | None = DEFAULT_UI_PORT,
+        metrics_port: int | None = None,
         engine_startup_seconds: float = 600.0,
     ) -> None:
         self.ui_port = ui_port
+        self.metrics_port = metrics_port
+        self._metrics: Any = None
+        self._tracer: Any = None
         self.run_obj = run
         if steps is not None or eval_trials is not None:
             body = run.to_wire()
@@ -351,6 +356,7 @@ class EmbeddedRun:
         backend: LocalTrialBackend | None = None
         previous = signal.getsignal(signal.SIGINT)
         stop_ui = self._start_ui(engine.url)
+        stop_telemetry = self._start_telemetry()
         try:
             settings = TrainerSettings.from_run(
                 run,
@@ -380,7 +386,8 @@ class EmbeddedRun:
                 backend=backend,
                 task_set=task_set,
                 trainer=StoreTrainer(store, error=self.trainer.error),
-                on_progress=ProgressPrinter(self.out),
+                on_progress=self._progress_sinks(ProgressPrinter(self.out)),
+                on_trial=self._trial_spans,
             )
             signal.signal(signal.SIGINT, self._interrupt)
             outcome = self.controller.run()
@@ -395,10 +402,48 @@ class EmbeddedRun:
             engine.close()
             if stop_ui is not None:
                 stop_ui()
+            stop_telemetry()
         self.say(summary(store, outcome, time.monotonic() - started))
         if outcome.state == "Stopped":
             self.say(f"stopped: run the same command again to resume ({self.paths.store})")
         return 0 if outcome.state != "Failed" else 1
+
+    def _progress_sinks(self, printer: ProgressPrinter) -> Callable[[Progress], None]:
+        """The display, and the run's Prometheus gauges when `--metrics-port` asked for them."""
+        metrics = self._metrics
+
+        def sink(progress: Progress) -> None:
+            printer(progress)
+            if metrics is not None:
+                metrics.update(progress)
+
+        return sink
+
+    def _trial_spans(self, record: Any) -> None:
+        if self._tracer is not None:
+            emit_trial_spans(self._tracer, record)
+
+    def _start_telemetry(self) -> Callable[[], None]:
+        """OTLP trial spans when the OTEL_* variables say where (no cost otherwise), and `/metrics` on
+        `metrics_port` when given; returns what stops both."""
+        from legorl.telemetry.metrics import ProgressMetrics, new_registry, serve_metrics  # noqa: PLC0415
+        from legorl.telemetry.traces import tracer_provider_from_env  # noqa: PLC0415
+
+        self._tracer = tracer_provider_from_env("legorl-run")
+        server = None
+        if self.metrics_port is not None:
+            registry = new_registry()
+            self._metrics = ProgressMetrics(registry)
+            server = serve_metrics(registry, self.metrics_port)
+            self.say(f"metrics: http://127.0.0.1:{server.port}/metrics")
+
+        def stop() -> None:
+            if server is not None:
+                server.close()
+            if self._tracer is not None:
+                self._tracer.shutdown()
+
+        return stop
 
     def _start_ui(self, engine_url: str) -> Callable[[], None] | None:
         """The live UI on this run's store (and engine), on `ui_port` or, when that is taken, a free one.
@@ -473,6 +518,9 @@ def main(argv: list[str], out: TextIO = sys.stdout, configure: Callable[[], None
     )
     parser.add_argument("--no-ui", action="store_true", help="do not serve the live UI")
     parser.add_argument(
+        "--metrics-port", type=int, help="serve the run's Prometheus metrics on 127.0.0.1:PORT/metrics"
+    )
+    parser.add_argument(
         "--canary",
         action="store_true",
         help="check before a long run: preflight, one trial end to end, token and routing parity "
@@ -491,6 +539,7 @@ def main(argv: list[str], out: TextIO = sys.stdout, configure: Callable[[], None
             steps=args.steps,
             eval_trials=args.eval_trials,
             ui_port=None if args.no_ui or args.canary else args.ui_port,
+            metrics_port=args.metrics_port,
         )
         if args.canary:
             from legorl.embedded.canary import run_canary  # noqa: PLC0415

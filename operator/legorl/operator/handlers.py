@@ -20,6 +20,7 @@ import kopf
 
 from legorl.api._base import API_GROUP, API_VERSION
 from legorl.operator.kube import RESOURCES, KubeClient, credentials_from_kopf
+from legorl.operator.metrics import MeteredReconciler, OperatorMetrics, start_metrics_server
 from legorl.operator.reconcile import Reconciler, TransientError
 from legorl.operator.render.common import MANAGED_BY
 from legorl.operator.runs import RunDaemon, trial_settings
@@ -89,6 +90,7 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
         if not isinstance(memo.get("trial_pods"), TrialPods):
             memo["trial_pods"] = TrialPods()
         memo["loop"] = asyncio.get_running_loop().create_task(_resync_loop(_reconciler(memo)))
+        await _start_metrics(memo, reconciler)
 
     @kopf.on.cleanup(registry=registry)
     async def stop(memo: Any, **_: Any) -> None:
@@ -97,6 +99,9 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        server = memo.get("metrics_server")
+        if server is not None:
+            await server.cleanup()
         reconciler = _reconciler(memo)
         if reconciler.client_ is not None:
             await reconciler.client_.close()
@@ -127,8 +132,14 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
     ) -> None:
         """The run controller of one RLRun: the RL loop, once its fleet and pool are ready."""
         key: ObjectKey = ("RLRun", namespace or "", name)
+        metrics = memo.get("metrics")
         daemon = RunDaemon(
-            key, reconciler=_reconciler(memo), pods=memo["trial_pods"], settings=trial_settings(memo)
+            key,
+            reconciler=_reconciler(memo),
+            pods=memo["trial_pods"],
+            settings=trial_settings(memo),
+            progress_metrics=metrics.runs if metrics is not None else None,
+            tracer_provider=memo.get("tracer_provider"),
         )
         # The operator's stop as well as this daemon's: kopf may respawn a daemon for a late event
         # while shutting down, and that one would otherwise sit until kopf cancels it.
@@ -163,6 +174,17 @@ def _register_custom(registry: kopf.OperatorRegistry, kind: str) -> None:
             await reconciler.reconcile(key)
         except TransientError as exc:
             raise kopf.TemporaryError(str(exc), delay=5) from exc
+
+
+async def _start_metrics(memo: Any, reconciler: Reconciler) -> None:
+    """The reconciler's metrics in the memo (`memo["metrics"].runs` is what run daemons feed), and
+    their endpoint when the settings give it a port."""
+    metrics = reconciler.metrics if isinstance(reconciler, MeteredReconciler) else OperatorMetrics(reconciler)
+    memo["metrics"] = metrics
+    if reconciler.settings.metrics_port:
+        memo["metrics_server"] = await start_metrics_server(
+            metrics.registry, reconciler.settings.metrics_port
+        )
 
 
 async def _resync_loop(reconciler: Reconciler) -> None:

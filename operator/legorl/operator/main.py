@@ -1,4 +1,5 @@
-"""Run the operator: kopf settings, peering or standalone, namespaces, the liveness endpoint."""
+"""Run the operator: kopf settings, peering or standalone, namespaces, the liveness endpoint, and the
+observability the handlers pick up from kopf's memo (metrics, the trial traces' provider)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import kopf
 
 from legorl.operator.handlers import LoginFn, build_registry
+from legorl.operator.metrics import MeteredReconciler
 from legorl.operator.reconcile import Reconciler
 from legorl.operator.render.common import RenderContext
 from legorl.operator.settings import OperatorSettings
@@ -38,7 +40,8 @@ def kopf_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
 
 
 def make_reconciler(settings: OperatorSettings) -> Reconciler:
-    return Reconciler(
+    """The reconcile service, counting and timing its reconciles (`legorl.operator.metrics`)."""
+    return MeteredReconciler(
         settings=settings,
         ctx=RenderContext(
             images=settings.images,
@@ -58,17 +61,25 @@ def run_operator(
     liveness: bool = True,
 ) -> None:
     """Run until stopped (SIGINT/SIGTERM, or `stop_flag`)."""
+    from legorl.telemetry.traces import tracer_provider_from_env  # noqa: PLC0415
+
     logging.getLogger("legorl").setLevel(settings.log_level)
-    memo: Any = kopf.Memo(reconciler=reconciler or make_reconciler(settings))
-    kopf.run(
-        registry=build_registry(login=login),
-        settings=kopf_settings(settings),
-        standalone=settings.peering is None,
-        peering_name=settings.peering,
-        clusterwide=not settings.namespaces,
-        namespaces=settings.namespaces,
-        liveness_endpoint=f"http://0.0.0.0:{settings.health_port}/healthz" if liveness else None,
-        memo=memo,
-        stop_flag=stop_flag,
-        ready_flag=ready_flag,
-    )
+    # Trial traces (the run controllers emit each collected trial's spans), when OTEL_* says where to.
+    tracer_provider = tracer_provider_from_env("legorl-operator")
+    memo: Any = kopf.Memo(reconciler=reconciler or make_reconciler(settings), tracer_provider=tracer_provider)
+    try:
+        kopf.run(
+            registry=build_registry(login=login),
+            settings=kopf_settings(settings),
+            standalone=settings.peering is None,
+            peering_name=settings.peering,
+            clusterwide=not settings.namespaces,
+            namespaces=settings.namespaces,
+            liveness_endpoint=f"http://0.0.0.0:{settings.health_port}/healthz" if liveness else None,
+            memo=memo,
+            stop_flag=stop_flag,
+            ready_flag=ready_flag,
+        )
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # flushes the spans still queued

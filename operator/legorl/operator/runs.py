@@ -42,6 +42,7 @@ from legorl.api.conditions import find_condition
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
 from legorl.api.run import RunMetrics
 from legorl.api.store import RunStore, StoreError
+from legorl.api.trajectory import TrialRecord
 from legorl.controller.loop import FIDELITY_REASON, Progress, RunController, RunOutcome
 from legorl.controller.plan import PlanError
 from legorl.operator.kube import ApiError
@@ -52,6 +53,7 @@ from legorl.operator.status.run import ControllerReport, is_terminal
 from legorl.operator.store import ObjectKey
 from legorl.operator.trials import KubeTrialBackend, LoopApi, TrialPods, TrialSettings
 from legorl.sandbox.task import TaskError, TaskSet, load_task_set
+from legorl.telemetry.traces import emit_trial_spans
 
 log = logging.getLogger("legorl.operator.runs")
 
@@ -148,9 +150,20 @@ class RunDaemon:
     """One RLRun's loop inside the operator (see the module docstring)."""
 
     def __init__(
-        self, key: ObjectKey, *, reconciler: Reconciler, pods: TrialPods, settings: TrialSettings
+        self,
+        key: ObjectKey,
+        *,
+        reconciler: Reconciler,
+        pods: TrialPods,
+        settings: TrialSettings,
+        progress_metrics: Any = None,
+        tracer_provider: Any = None,
     ) -> None:
         self.key = key
+        self.progress_metrics = progress_metrics
+        """`legorl.telemetry.metrics.ProgressMetrics` of the operator's /metrics, or None."""
+        self.tracer_provider = tracer_provider
+        """Where finished trials' spans go (`legorl.telemetry.traces`), or None: no tracing."""
         self.reconciler = reconciler
         self.pods = pods
         self.settings = settings
@@ -222,6 +235,8 @@ class RunDaemon:
                     ended = True  # the reconciler writes Succeeded/Failed; nothing restarts it
         finally:
             self.reconciler.controllers.pop(self.key, None)
+            if self.progress_metrics is not None:
+                self.progress_metrics.forget(self.key[2], namespace=self.namespace)
             current = self._current
             if current is not None and current.thread.is_alive():
                 # Cancelled by kopf while the loop runs: never leave it behind; the next daemon adopts.
@@ -381,6 +396,11 @@ class RunDaemon:
 
         def on_progress(progress: Progress) -> None:
             self._report_threadsafe(progress_report(progress, running=True, stopping=stop.is_set()))
+            if self.progress_metrics is not None:
+                self.progress_metrics.update(progress, namespace=self.namespace)
+
+        def on_trial(record: TrialRecord) -> None:
+            emit_trial_spans(self.tracer_provider, record, attributes={"k8s.namespace.name": self.namespace})
 
         try:
             controller = RunController(
@@ -389,6 +409,7 @@ class RunDaemon:
                 backend=backend,
                 task_set=task_set,
                 on_progress=on_progress,
+                on_trial=on_trial if self.tracer_provider is not None else None,
                 stop=stop,
                 poll_seconds=min(self.settings.poll_seconds, 0.5),
             )

@@ -18,6 +18,9 @@ class OperatorSettings:
     """Namespaces to watch; empty watches the whole cluster."""
     health_port: int = 8080
     """Port of `/healthz` (kopf's liveness endpoint)."""
+    metrics_port: int = 0
+    """Port of `/metrics` (Prometheus text: reconciles, resources, pods, the hosted run controllers);
+    0 serves none."""
     log_level: str = "INFO"
     peering: str | None = None
     """kopf peering name for several replicas (one active at a time); None runs standalone."""

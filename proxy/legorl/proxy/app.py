@@ -52,6 +52,7 @@ from legorl.proxy.settings import ProxySettings
 from legorl.proxy.trial import Trial
 from legorl.proxy.upstream import Upstream
 from legorl.sandbox import changes
+from legorl.telemetry.traces import trace_headers, trial_context
 
 __all__ = ["ProxyApp"]
 
@@ -159,6 +160,13 @@ class ProxyApp:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("legorl.proxy")
+        # Traced (a provider was given): every call's span hangs under the trial's root span, which
+        # the run controller emits with the same ids when it collects the trial, and the engine gets
+        # a traceparent. Without one, no context is built and no header is sent.
+        self._trial_context = (
+            trial_context(settings.run, settings.trial) if tracer_provider is not None else None
+        )
+        self._trial_attributes = {"legorl.run": settings.run, "legorl.trial": settings.trial}
         self.trial: Trial | None = None
         self.upstream: Upstream | None = None
         self._admission: asyncio.Semaphore | None = None
@@ -328,8 +336,9 @@ class ProxyApp:
         self.metrics.add("legorl_proxy_in_flight", 1)
         with self.tracer.start_as_current_span(
             f"proxy {api_format.value}",
+            context=self._trial_context,
             kind=SpanKind.SERVER,
-            attributes={"legorl.api_format": api_format.value},
+            attributes={"legorl.api_format": api_format.value, **self._trial_attributes},
         ) as span:
             disconnect = _Disconnect(receive)
             try:
@@ -379,8 +388,15 @@ class ProxyApp:
         version_before = await self.upstream.policy_version()
         assert version_before is not None
         try:
-            with self.tracer.start_as_current_span("engine chat.completions", kind=SpanKind.CLIENT):
-                comp = await self._engine(call)
+            engine_started = time.perf_counter()
+            try:
+                with self.tracer.start_as_current_span(
+                    "engine chat.completions", kind=SpanKind.CLIENT, attributes=self._trial_attributes
+                ):
+                    headers = trace_headers() if self._trial_context is not None else None
+                    comp = await self._engine(call, headers)
+            finally:
+                self.metrics.observe("legorl_proxy_engine_seconds", time.perf_counter() - engine_started)
             if comp is None:
                 return "disconnected"
             if comp.finish_reason == "abort":
@@ -448,19 +464,20 @@ class ProxyApp:
             await asyncio.sleep(self.settings.admission_poll_seconds)
         self.metrics.observe("legorl_proxy_admission_wait_seconds", time.perf_counter() - started)
 
-    async def _engine(self, call: _Call) -> Completion | None:
+    async def _engine(self, call: _Call, headers: dict[str, str] | None = None) -> Completion | None:
         """The engine's whole answer, streaming deltas on to the harness as they come when both
-        sides stream; None if the harness went away mid-stream."""
+        sides stream; None if the harness went away mid-stream. `headers` go to the engine with
+        the call (the trace's `traceparent`)."""
         assert self.upstream is not None
         body = call.prepared.body
         streaming = call.encoder is not None and not self.settings.capture_routed_experts
         body["stream"] = streaming
         if not streaming:
             body.pop("stream_options", None)
-            return completion_from_response(await self.upstream.complete(body))
+            return completion_from_response(await self.upstream.complete(body, headers))
         assert call.encoder is not None
         acc = StreamAccumulator()
-        async with aclosing(self.upstream.stream(body)) as chunks:
+        async with aclosing(self.upstream.stream(body, headers)) as chunks:
             async for batch in chunks:
                 out: list[bytes] = []
                 for data in batch:

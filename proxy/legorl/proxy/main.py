@@ -69,31 +69,13 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
 
 
 def _tracer_provider(settings: ProxySettings) -> Any:
-    """An SDK provider exporting to `otlp_endpoint`; None (the API's no-op) without one, since
-    spans nobody exports would still cost CPU on every call."""
-    if not settings.otlp_endpoint:
-        return None
-    from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
-    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+    """An SDK provider exporting to `otlp_endpoint`, or as the standard `OTEL_*` variables say; None
+    (the API's no-op) without either, since spans nobody exports would still cost CPU on every call."""
+    from legorl.telemetry.traces import tracer_provider_from_env  # noqa: PLC0415
 
-    try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
-            OTLPSpanExporter,
-        )
-    except ImportError:
-        log.warning(
-            "otlp_endpoint is set but opentelemetry-exporter-otlp is not installed; no traces exported"
-        )
-        return None
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
-
-    provider = TracerProvider(
-        resource=Resource.create(
-            {"service.name": "legorl-proxy", "legorl.run": settings.run, "legorl.trial": settings.trial}
-        )
+    return tracer_provider_from_env(
+        "legorl-proxy", attributes={"legorl.run": settings.run}, endpoint=settings.otlp_endpoint
     )
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otlp_endpoint)))
-    return provider
 
 
 def serve(settings: ProxySettings) -> None:
@@ -102,7 +84,8 @@ def serve(settings: ProxySettings) -> None:
 
     from legorl.proxy.app import ProxyApp  # noqa: PLC0415
 
-    app = ProxyApp(settings, tracer_provider=_tracer_provider(settings))
+    provider = _tracer_provider(settings)
+    app = ProxyApp(settings, tracer_provider=provider)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -124,7 +107,11 @@ def serve(settings: ProxySettings) -> None:
         settings.upstream,
     )
     # run() sets up uvicorn's event loop: uvloop and httptools when installed (uvicorn[standard]).
-    server.run()
+    try:
+        server.run()
+    finally:
+        if provider is not None:
+            provider.shutdown()  # the spans of the last calls, still queued for export
 
 
 def main(argv: list[str] | None = None) -> int:

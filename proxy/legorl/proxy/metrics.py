@@ -11,7 +11,34 @@ import math
 import threading
 from collections import defaultdict
 
-__all__ = ["Metrics"]
+__all__ = ["PROXY_METRICS", "Metrics"]
+
+PROXY_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("legorl_proxy_requests_total", "counter", "Calls served, by API format and outcome."),
+    ("legorl_proxy_errors_total", "counter", "Failed calls, by error kind."),
+    (
+        "legorl_proxy_upstream_errors_total",
+        "counter",
+        "Engine answers that were not 2xx, by HTTP status (503 "
+        "included, retried or not), and calls that got no answer (unreachable, timeout, transport).",
+    ),
+    ("legorl_proxy_tokens_in_total", "counter", "Prompt tokens sent to the engine."),
+    ("legorl_proxy_tokens_out_total", "counter", "Completion tokens journaled."),
+    ("legorl_proxy_engine_retries_total", "counter", "Engine calls retried (503, refused)."),
+    ("legorl_proxy_unexpected_format_total", "counter", "Calls in another API than configured."),
+    ("legorl_proxy_admission_timeouts_total", "counter", "Sessions admitted after the longest wait."),
+    ("legorl_proxy_admission_wait_seconds", "histogram", "Time a new session waited for KV room."),
+    ("legorl_proxy_request_seconds", "histogram", "Whole call latency, proxy to engine and back."),
+    ("legorl_proxy_engine_seconds", "histogram", "The engine's part of a call (retries included)."),
+    ("legorl_proxy_ttft_seconds", "histogram", "Time to the first streamed token."),
+    ("legorl_proxy_journal_fsync_seconds", "histogram", "Journal fsync latency (one per batch)."),
+    ("legorl_proxy_journal_batch_records", "histogram", "Records per journal fsync."),
+    ("legorl_proxy_turns", "gauge", "Turns journaled in this trial."),
+    ("legorl_proxy_segment_merge_ratio", "gauge", "Share of turns that extended an earlier one."),
+    ("legorl_proxy_in_flight", "gauge", "Calls in flight."),
+    ("legorl_proxy_journal_dropped_bytes", "gauge", "Torn-tail bytes cut off the journal at start."),
+)
+"""Every metric of a proxy: (name, type, help). Labels stay low-cardinality: the trial is on spans."""
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _FSYNC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1)
@@ -46,24 +73,7 @@ class Metrics:
         self._histograms: dict[str, dict[tuple[tuple[str, str], ...], _Histogram]] = defaultdict(dict)
         self._gauges: dict[str, float] = {}
         self._help: dict[str, tuple[str, str]] = {}
-        for name, kind, text in (
-            ("legorl_proxy_requests_total", "counter", "Calls served, by API format and outcome."),
-            ("legorl_proxy_errors_total", "counter", "Failed calls, by error kind."),
-            ("legorl_proxy_tokens_in_total", "counter", "Prompt tokens sent to the engine."),
-            ("legorl_proxy_tokens_out_total", "counter", "Completion tokens journaled."),
-            ("legorl_proxy_engine_retries_total", "counter", "Engine calls retried (503, refused)."),
-            ("legorl_proxy_unexpected_format_total", "counter", "Calls in another API than configured."),
-            ("legorl_proxy_admission_timeouts_total", "counter", "Sessions admitted after the longest wait."),
-            ("legorl_proxy_admission_wait_seconds", "histogram", "Time a new session waited for KV room."),
-            ("legorl_proxy_request_seconds", "histogram", "Whole call latency, proxy to engine and back."),
-            ("legorl_proxy_ttft_seconds", "histogram", "Time to the first streamed token."),
-            ("legorl_proxy_journal_fsync_seconds", "histogram", "Journal fsync latency (one per batch)."),
-            ("legorl_proxy_journal_batch_records", "histogram", "Records per journal fsync."),
-            ("legorl_proxy_turns", "gauge", "Turns journaled in this trial."),
-            ("legorl_proxy_segment_merge_ratio", "gauge", "Share of turns that extended an earlier one."),
-            ("legorl_proxy_in_flight", "gauge", "Calls in flight."),
-            ("legorl_proxy_journal_dropped_bytes", "gauge", "Torn-tail bytes cut off the journal at start."),
-        ):
+        for name, kind, text in PROXY_METRICS:
             self._help[name] = (kind, text)
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:

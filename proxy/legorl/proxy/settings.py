@@ -91,7 +91,8 @@ class ProxySettings(BaseModel):
     """Turn budget of the trial: the call after the last one is refused and the trial ends as
     `turn_limit` (the harness's own limit, enforced where the harness cannot skip it)."""
     otlp_endpoint: str | None = None
-    """OTLP/HTTP endpoint for traces (needs opentelemetry-exporter-otlp); unset: no export."""
+    """OTLP/HTTP endpoint for traces, used as it is (e.g. `http://collector:4318/v1/traces`); unset:
+    the standard `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT` variables, and without those no export."""
 
     admission_kv_usage: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     """Session admission under KV pressure: the trial's first call waits while the engine's KV

@@ -14,7 +14,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -114,35 +114,51 @@ class Upstream:
         self.metrics.inc("legorl_proxy_engine_retries_total")
         await asyncio.sleep(min(remaining, random.uniform(0, cap)))  # noqa: S311 - jitter, not crypto
 
+    def _upstream_error(self, status: str) -> None:
+        self.metrics.inc("legorl_proxy_upstream_errors_total", status=status)
+
     @asynccontextmanager
     async def _send(
-        self, method: str, path: str, body: dict[str, Any] | None, *, stream: bool
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        *,
+        stream: bool,
+        headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[httpx.Response]:
-        """A response with a 2xx status (retried through 503s and refused connections)."""
+        """A response with a 2xx status (retried through 503s and refused connections). `headers`:
+        extra request headers (the trace's `traceparent`)."""
         deadline = time.monotonic() + self.settings.retry_budget_seconds
         attempt = 0
+        sent_headers = {**(_JSON_HEADERS if body is not None else {}), **(headers or {})}
         while True:
             request = self.client.build_request(
                 method,
                 path,
                 content=fastjson.dumps(body) if body is not None else None,
-                headers=_JSON_HEADERS if body is not None else None,
+                headers=sent_headers or None,
             )
             try:
                 response = await self.client.send(request, stream=stream)
             except _UNREACHED as exc:
+                self._upstream_error("unreachable")
                 await self._backoff(attempt, deadline, f"{type(exc).__name__}: {exc}")
                 attempt += 1
                 continue
             except httpx.TimeoutException as exc:
+                self._upstream_error("timeout")
                 raise ProxyError(
                     "engine_error", f"the engine timed out ({type(exc).__name__})", status=504
                 ) from exc
             except httpx.HTTPError as exc:
+                self._upstream_error("transport")
                 raise ProxyError(
                     "engine_error", f"the engine call failed: {type(exc).__name__}: {exc}"
                 ) from exc
             try:
+                if response.status_code >= 300:
+                    self._upstream_error(str(response.status_code))
                 if response.status_code in _RETRY_STATUS:
                     await response.aread()
                     await response.aclose()
@@ -157,14 +173,18 @@ class Upstream:
             finally:
                 await response.aclose()
 
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def complete(
+        self, body: dict[str, Any], headers: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
         """A non-streaming call; the parsed JSON body."""
-        async with self._send("POST", "/v1/chat/completions", body, stream=True) as response:
+        async with self._send("POST", "/v1/chat/completions", body, stream=True, headers=headers) as response:
             try:
                 content = await response.aread()
             except httpx.TimeoutException as exc:
+                self._upstream_error("timeout")
                 raise ProxyError("engine_error", "the engine timed out mid-answer", status=504) from exc
             except httpx.HTTPError as exc:
+                self._upstream_error("transport")
                 raise ProxyError("engine_error", f"the engine dropped the answer: {exc}") from exc
         try:
             data = fastjson.loads(content)
@@ -174,13 +194,15 @@ class Upstream:
             raise ProxyError("engine_error", "the engine sent a body that is not a JSON object")
         return data
 
-    async def stream(self, body: dict[str, Any]) -> AsyncGenerator[list[bytes], None]:
+    async def stream(
+        self, body: dict[str, Any], headers: Mapping[str, str] | None = None
+    ) -> AsyncGenerator[list[bytes], None]:
         """A streaming call; yields the SSE `data:` payloads that arrived together, as a batch.
 
         Whatever one socket read brought is handled (and relayed to the harness) at once: the
         batching adds no wait, and it spares a write per event when the engine is ahead.
         """
-        async with self._send("POST", "/v1/chat/completions", body, stream=True) as response:
+        async with self._send("POST", "/v1/chat/completions", body, stream=True, headers=headers) as response:
             pending = b""
             try:
                 async for raw in response.aiter_raw():
@@ -199,8 +221,10 @@ class Upstream:
                 if pending.strip().startswith(b"data:"):
                     yield [pending.strip()[5:].strip()]
             except httpx.TimeoutException as exc:
+                self._upstream_error("timeout")
                 raise ProxyError("engine_error", "the engine went silent mid-stream", status=504) from exc
             except httpx.HTTPError as exc:
+                self._upstream_error("transport")
                 raise ProxyError("engine_error", f"the engine dropped the stream: {exc}") from exc
 
     async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:

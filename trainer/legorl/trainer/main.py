@@ -58,6 +58,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-seconds", type=float, default=2.0, help="how often to look for a new batch")
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        # A string default goes through `type` too: a bad $LEGORL_METRICS_PORT is a usage error.
+        default=os.environ.get("LEGORL_METRICS_PORT") or "0",
+        help="serve Prometheus /metrics (legorl_trainer_*) on this port, all interfaces "
+        "(default: $LEGORL_METRICS_PORT, else 0: not served)",
+    )
+    p.add_argument(
         "--spec-timeout",
         type=float,
         default=900.0,
@@ -205,9 +213,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.spec is not None:
         # The store names the run it belongs to, so later processes (and the UI) can start from it.
         store_obj.write_run_spec(run.to_wire())
-    service = TrainingService(
-        settings, store=store_obj, telemetry=TrainerTelemetry(meter_provider(), run=settings.run)
-    )
+    registry = None
+    if args.metrics_port:
+        from legorl.telemetry.metrics import new_registry, serve_metrics  # noqa: PLC0415
+
+        registry = new_registry()
+        serve_metrics(registry, args.metrics_port, host="0.0.0.0")  # noqa: S104 - a pod's metrics port
+    telemetry = TrainerTelemetry(meter_provider(), run=settings.run, registry=registry)
+    service = TrainingService(settings, store=store_obj, telemetry=telemetry)
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
         logging.getLogger(__name__).info("signal %d: stopping after the current step", signum)
