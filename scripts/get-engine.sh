@@ -26,6 +26,8 @@ fi
 .venv/bin/python -c 'import minisweagent' >/dev/null 2>&1 || "${PIP[@]}" -e '.[harnesses]'
 # `legorl run` starts one `legorl proxy` per trial.
 .venv/bin/python -c 'import legorl.proxy.app' >/dev/null 2>&1 || "${PIP[@]}" -e '.[proxy]'
+# ... and serves the live UI (`legorl ui`'s extra).
+.venv/bin/python -c 'import uvicorn, httpx, tokenizers' >/dev/null 2>&1 || "${PIP[@]}" -e '.[ui]'
 # The trainer's extra after the engine, so its torch requirement is met by the CPU build above
 # rather than pulling a CUDA torch from PyPI.
 .venv/bin/python -c 'import megatron.core' >/dev/null 2>&1 || "${PIP[@]}" -e '.[trainer]'

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Run every check CI runs, from a fresh clone: creates .venv, installs legorl with its dev
 # extra, vLLM's CPU build and the harness CLIs the tests drive (scripts/get-engine.sh), the
-# sandbox's system tools (scripts/get-sandbox-tools.sh: bubblewrap, iptables), fetches
-# helm (scripts/get-helm.sh), then lint, types, import layers, generated-file drift and the
-# test suite. Usage: bash scripts/test.sh [pytest args...]
+# sandbox's system tools (scripts/get-sandbox-tools.sh: bubblewrap, iptables), Chromium and
+# Playwright for the UI's browser tests (scripts/get-browser.sh), fetches helm
+# (scripts/get-helm.sh), then lint, types, import layers, generated-file drift and the test suite.
+# Usage: bash scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,6 +16,7 @@ step "virtualenv and dependencies"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 bash scripts/get-engine.sh
 bash scripts/get-sandbox-tools.sh
+bash scripts/get-browser.sh
 bash scripts/get-helm.sh .cache/tools
 export PATH="$PWD/.venv/bin:$PATH"
 export LEGORL_HELM="$PWD/.cache/tools/bin/helm"

@@ -9,7 +9,9 @@ step a real Megatron step with fidelity figures; the learning result lives in th
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -85,6 +88,10 @@ def _start(manifest: Path, root: Path, log: Path) -> subprocess.Popen[bytes]:
                 str(root),
                 "--log-level",
                 "INFO",
+                "--ui-port",
+                "0",
+                "--metrics-port",
+                "0",
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -107,6 +114,16 @@ def test_run_trains_syncs_and_resumes_after_a_kill(tmp_path: Path) -> None:
             assert proc.poll() is None, log.read_text()[-5000:]
             assert time.monotonic() < deadline, log.read_text()[-5000:]
             time.sleep(1)
+        # The live UI serves this run while it runs.
+        found = re.search(r"UI: (http://127\.0\.0\.1:\d+/)", log.read_text())
+        assert found, log.read_text()[-3000:]
+        runs = httpx.get(found.group(1) + "api/runs", timeout=30).json()
+        assert "e2e" in json.dumps(runs), runs
+        # ... and so do its Prometheus metrics.
+        port = re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics", log.read_text())
+        assert port, log.read_text()[-3000:]
+        exposition = httpx.get(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=30).text
+        assert 'legorl_run_step{namespace="",run="e2e"}' in exposition, exposition[:2000]
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
@@ -165,3 +182,34 @@ def test_run_trains_syncs_and_resumes_after_a_kill(tmp_path: Path) -> None:
     assert all(e["trials"] == 1 and e["infra_failures"] == 0 for e in evals)
     state = store.read_controller_state()
     assert state is not None and state["step"] == 2 and state["trials_total"] == 8
+
+
+def test_canary_runs_one_trial_and_checks_parity(tmp_path: Path) -> None:
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(yaml.safe_dump(MANIFEST))
+    root = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "legorl.cli", "run", str(manifest), "--dir", str(root), "--canary"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    text = out.stdout + out.stderr
+    # The random tiny policy fails its task, but every part of the machinery works: a warning (no
+    # routing on vLLM's CPU build), no failure.
+    assert out.returncode == 0, text[-4000:]
+    assert "canary of run e2e: Warning" in text, text[-3000:]
+    report = json.loads((root / "store" / "validation" / "latest.json").read_text())
+    checks = {c["check"]: c for c in report["checks"]}
+    assert [checks[c]["result"] for c in ("preflight", "trial", "token-parity", "routing-parity")] == [
+        "Passed",
+        "Passed",
+        "Passed",
+        "Warning",
+    ], checks
+    assert checks["trial"]["figures"]["termination_reason"] == "completed"
+    assert checks["token-parity"]["figures"]["pearson"] > 0.999
+    assert checks["token-parity"]["figures"]["tokens"] > 0
+    store = RunStore(str(root / "store"))
+    assert store.committed_steps() == [] and store.saved_steps("train") == []  # nothing trained on

@@ -77,6 +77,12 @@ def test_wheel_holds_only_the_legorl_namespace(repo: Path, tmp_path: Path) -> No
     assert "legorl/api/py.typed" in names
     # `legorl run` finds the harness launcher and the compact mini-swe-agent settings in the package.
     assert "legorl/sandbox/legorl-harness" in names
+    # The UI's front end ships inside the package: nothing is fetched at run time.
+    assert {
+        "legorl/ui/static/index.html",
+        "legorl/ui/static/js/main.js",
+        "legorl/ui/static/css/app.css",
+    } <= set(names)
     assert "legorl/controller/harness/mini.yaml" in names
 
 

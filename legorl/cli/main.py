@@ -121,6 +121,7 @@ def _cmd_operator(args: argparse.Namespace) -> int:
         OperatorSettings(
             namespaces=tuple(args.namespace),
             health_port=args.health_port,
+            metrics_port=args.metrics_port,
             log_level=args.log_level,
             peering=args.peering,
             resync_seconds=args.resync_seconds,
@@ -188,6 +189,12 @@ def _run_embedded(argv: Sequence[str]) -> int:
     from legorl.embedded.runner import main as run_main  # noqa: PLC0415 - imports the engine stack
 
     return run_main(list(argv))
+
+
+def _run_ui(argv: Sequence[str]) -> int:
+    from legorl.ui.cli import main as ui_main  # noqa: PLC0415 - the `ui` extra
+
+    return ui_main(list(argv))
 
 
 def _run_sft(argv: Sequence[str]) -> int:
@@ -292,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--health-port", type=int, default=8080, help="port of /healthz (default 8080)")
     p.add_argument(
+        "--metrics-port", type=int, default=0, help="port of /metrics for Prometheus (default 0: not served)"
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -350,6 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=lambda _args: _run_embedded(["--help"]))
     p = sub.add_parser(
+        "ui",
+        help="serve the web UI over run stores and the cluster, or export a run as one HTML file "
+        "(`legorl ui --help`)",
+        add_help=False,
+    )
+    p.set_defaults(func=lambda _args: _run_ui(["--help"]))
+    p = sub.add_parser(
         "sft",
         help="warm-start a tiny policy on synthetic harness demonstrations (`legorl sft --help`)",
         add_help=False,
@@ -371,6 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_embedded(argv[1:])
     if argv[:1] == ["sft"]:
         return _run_sft(argv[1:])
+    if argv[:1] == ["ui"]:
+        return _run_ui(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

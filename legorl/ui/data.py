@@ -1,0 +1,979 @@
+"""The UI's view of one run store: JSON-ready summaries, cached by the files' modification times.
+
+Everything here is synchronous (pyarrow, fsspec); the server calls it from worker threads. A store of
+10,000 trials answers from memory: each step's trial summaries are read once (only the small columns,
+never the token arrays) and kept until that step's files change. Only `trajectory()` reads tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import posixpath
+import re
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from legorl.api.store import RunStore, StoreError, parse_policy_version
+from legorl.api.termination import INFRA_REASONS, TerminationReason
+from legorl.api.trajectory import TRIAL_SCHEMA
+
+from .tokens import TokenText, load_token_text
+
+__all__ = [
+    "CURVES",
+    "REASONS",
+    "NotFound",
+    "StoreData",
+    "TrialQuery",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+REASONS: Final = [r.value for r in TerminationReason]
+"""Termination reasons in their documented order (the UI's colour order)."""
+INFRA: Final = sorted(r.value for r in INFRA_REASONS)
+
+SUMMARY_COLUMNS: Final = [
+    "trial",
+    "task_id",
+    "group_id",
+    "split",
+    "step",
+    "harness",
+    "termination_reason",
+    "reward",
+    "tamper_findings",
+    "policy_versions",
+    "num_turns",
+    "merged_turn_share",
+    "stage_seconds",
+    "started_at",
+    "ended_at",
+    "error",
+]
+"""The trial columns a list needs: everything but the segments (token arrays)."""
+
+CURVES: Final = [
+    # (metric key in metrics/trainer/step-N.json, label, group)
+    ("reward_mean", "Reward (trained-on trials)", "reward"),
+    ("entropy", "Entropy", "policy"),
+    ("kl_ref", "KL to reference", "policy"),
+    ("fidelity_kl", "KL rollout→training", "fidelity"),
+    ("clip_fraction", "Clip fraction", "policy"),
+    ("grad_norm", "Grad norm", "optimizer"),
+    ("loss", "Loss", "optimizer"),
+    ("fidelity_pearson", "Rollout-vs-training correlation", "fidelity"),
+    ("fidelity_mean_abs_logprob_delta", "Mean |Δ log-prob|", "fidelity"),
+    ("fidelity_max_abs_logprob_delta", "Max |Δ log-prob|", "fidelity"),
+    ("is_ess", "IS effective sample size", "fidelity"),
+    ("is_capped_share", "IS capped share", "fidelity"),
+    ("max_staleness_seen", "Staleness (max steps)", "throughput"),
+    ("tokens_per_second", "Tokens/s (trainer)", "throughput"),
+    ("step_seconds", "Step time (s)", "throughput"),
+    ("replayed_token_share", "Routing replayed share", "fidelity"),
+]
+"""Training curves the UI draws first, in this order; any other numeric metric follows."""
+
+_STEP_RE: Final = re.compile(r"step-([0-9]{6,})")
+_TRIAL_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_TOOL_CALL_RE: Final = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_MAX_TOKENS: Final = 200_000
+"""A trajectory larger than this is cut (a browser cannot lay out millions of spans)."""
+
+
+class NotFound(LookupError):
+    """An unknown run, step or trial (HTTP 404)."""
+
+
+@dataclass(frozen=True)
+class TrialQuery:
+    """Filters, order and page of a trial list (validated by the server)."""
+
+    split: str | None = None
+    step: int | None = None
+    task: str | None = None
+    reason: tuple[str, ...] = ()
+    group: str | None = None
+    tampered: bool | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+    text: str | None = None
+    sort: str = "step"
+    order: str = "asc"
+    offset: int = 0
+    limit: int = 50
+
+
+SORT_KEYS: Final = ("step", "trial", "task_id", "reward", "termination_reason", "num_turns", "duration")
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _iso(value: Any) -> str | None:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return None if value is None else str(value)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))
+    return ordered[rank]
+
+
+def _summary_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    started, ended = row.get("started_at"), row.get("ended_at")
+    duration = (ended - started).total_seconds() if isinstance(started, datetime) and ended else None
+    stages = {s["stage"]: s["seconds"] for s in row.get("stage_seconds") or []}
+    return {
+        "trial": row["trial"],
+        "task_id": row["task_id"],
+        "group_id": row["group_id"],
+        "split": row["split"],
+        "step": int(row["step"]),
+        "harness": row["harness"],
+        "termination_reason": row["termination_reason"],
+        "reward": _num(row.get("reward")),
+        "tamper_findings": [dict(t) for t in row.get("tamper_findings") or []],
+        "policy_versions": list(row.get("policy_versions") or []),
+        "num_turns": int(row.get("num_turns") or 0),
+        "merged_turn_share": _num(row.get("merged_turn_share")),
+        "stage_seconds": stages,
+        "started_at": _iso(started),
+        "ended_at": _iso(ended),
+        "duration": duration,
+        "error": row.get("error"),
+    }
+
+
+class StoreData:
+    """One run store as the UI reads it (thread-safe; caches keyed by modification times)."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        refresh_seconds: float = 2.0,
+        tokenizer: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = RunStore(uri)
+        self.uri = uri
+        root = self.store.local_path("")
+        self.root: Path | None = root
+        self.refresh_seconds = refresh_seconds
+        self._tokenizer_path = tokenizer
+        self._token_text: tuple[str, TokenText | None] | None = None
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._cache: dict[Any, tuple[Any, Any]] = {}
+        self._remote_sig: dict[str, tuple[float, Any]] = {}
+
+    def __repr__(self) -> str:
+        return f"StoreData({self.uri!r})"
+
+    # --- change detection ------------------------------------------------------------------------
+    def _sig(self, relative: str) -> Any:
+        """What changes when `relative` (a file, or a folder's entries) changes: its mtime and size.
+
+        Local folders change mtime when an entry is added, removed or renamed into place (every store
+        write is a rename), so one stat per folder is enough. Remote stores are asked at most every
+        `refresh_seconds` per path."""
+        if self.root is not None:
+            try:
+                st = (self.root / relative).stat()
+            except FileNotFoundError:
+                return None
+            return (st.st_mtime_ns, st.st_size)
+        now = self._clock()
+        cached = self._remote_sig.get(relative)
+        if cached is not None and now - cached[0] < self.refresh_seconds:
+            return cached[1]
+        try:
+            info = self.store.fs.info(self.store.fs_path(relative))
+            sig: Any = (info.get("mtime") or info.get("LastModified") or info.get("ETag"), info.get("size"))
+            if info.get("type") == "directory":
+                self.store.fs.invalidate_cache(self.store.fs_path(relative))
+                sig = tuple(sorted(self.store.fs.ls(self.store.fs_path(relative), detail=False)))
+        except FileNotFoundError:
+            sig = None
+        self._remote_sig[relative] = (now, sig)
+        return sig
+
+    def _cached(self, key: Any, sig: Any, compute: Callable[[], T]) -> T:
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and hit[0] == sig:
+                return hit[1]  # type: ignore[no-any-return]
+        value = compute()
+        with self._lock:
+            self._cache[key] = (sig, value)
+        return value
+
+    def _list(self, relative: str) -> list[str]:
+        """Entry names of a folder (cached by the folder's signature)."""
+
+        def compute() -> list[str]:
+            if self.root is not None:
+                try:
+                    return sorted(e.name for e in os.scandir(self.root / relative))
+                except FileNotFoundError:
+                    return []
+            try:
+                return sorted(
+                    posixpath.basename(p.rstrip("/"))
+                    for p in self.store.fs.ls(self.store.fs_path(relative), detail=False)
+                )
+            except FileNotFoundError:
+                return []
+
+        return self._cached(("ls", relative), self._sig(relative), compute)
+
+    def _json(self, relative: str) -> dict[str, Any] | None:
+        def compute() -> dict[str, Any] | None:
+            try:
+                data = self.store.fs.cat_file(self.store.fs_path(relative))
+            except FileNotFoundError:
+                return None
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                log.warning("%s is not valid JSON; ignored", self.store.url(relative))
+                return None
+            return obj if isinstance(obj, dict) else None
+
+        return self._cached(("json", relative), self._sig(relative), compute)
+
+    @staticmethod
+    def _steps_of(names: Iterable[str], suffix: str = "") -> list[int]:
+        steps = []
+        for name in names:
+            if suffix and not name.endswith(suffix):
+                continue
+            match = _STEP_RE.fullmatch(name.removesuffix(suffix))
+            if match:
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    # --- run-level records ---------------------------------------------------------------------
+    def run_spec(self) -> dict[str, Any] | None:
+        return self._json("run.json")
+
+    def name(self) -> str:
+        spec = self.run_spec() or {}
+        name = (spec.get("metadata") or {}).get("name")
+        if isinstance(name, str) and name:
+            return name
+        state = self.controller_state() or {}
+        if isinstance(state.get("run"), str) and state["run"]:
+            return str(state["run"])
+        return posixpath.basename(self.uri.rstrip("/")) or "run"
+
+    def controller_state(self) -> dict[str, Any] | None:
+        return self._json("controller/state.json")
+
+    def trainer_state(self) -> dict[str, Any] | None:
+        return self._json("trainer/state.json")
+
+    def committed_steps(self) -> list[int]:
+        steps = []
+        for step in self._steps_of(self._list("batches")):
+            if "COMMIT.json" in self._list(f"batches/step-{step:06d}"):
+                steps.append(step)
+        return steps
+
+    def commit(self, step: int) -> dict[str, Any] | None:
+        return self._json(f"batches/step-{step:06d}/COMMIT.json")
+
+    def evals(self) -> list[dict[str, Any]]:
+        out = []
+        for step in self._steps_of(self._list("evals"), ".json"):
+            record = self._json(f"evals/step-{step:06d}.json")
+            if record is not None:
+                out.append(record)
+        return out
+
+    def metrics(self) -> list[dict[str, Any]]:
+        out = []
+        for step in self._steps_of(self._list("metrics/trainer"), ".json"):
+            record = self._json(f"metrics/trainer/step-{step:06d}.json")
+            if record is not None:
+                out.append(record)
+        return out
+
+    def published_versions(self) -> list[str]:
+        versions = []
+        for name in self._list("weights"):
+            try:
+                step = parse_policy_version(name)
+            except ValueError:
+                continue
+            if "PUBLISHED.json" in self._list(f"weights/{name}"):
+                versions.append((step, name))
+        return [name for _, name in sorted(versions)]
+
+    def updated_at(self) -> float | None:
+        """Unix time of the newest progress write (controller state), for "is it still running"."""
+        if self.root is None:
+            return None
+        try:
+            return (self.root / "controller" / "state.json").stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    # --- trials ------------------------------------------------------------------------------------
+    def _read_rows(self, paths: list[str], columns: list[str]) -> list[dict[str, Any]]:
+        if not paths:
+            return []
+        try:
+            # One multi-file read (threaded) beats thousands of single-file ones.
+            table = ds.dataset(paths, format="parquet", filesystem=self.store.fs).to_table(columns=columns)
+        except (OSError, pa.ArrowInvalid) as exc:
+            log.info("reading %d trial files one by one (%s)", len(paths), exc)
+            tables = []
+            for path in paths:
+                try:
+                    with self.store.fs.open(path, "rb") as f:
+                        tables.append(pq.read_table(f, columns=columns))
+                except (OSError, pa.ArrowInvalid) as err:
+                    log.warning("skipping unreadable trial file %s: %s", path, err)
+            if not tables:
+                return []
+            table = pa.concat_tables(tables, promote_options="permissive")
+        return [_summary_row(r) for r in table.to_pylist()]
+
+    def _step_rows(self, split: str, step: int, committed: bool) -> list[dict[str, Any]]:
+        """Summaries of one step's trials: the committed batch if there is one, else the saved trials."""
+        if committed and split == "train":
+            marker = f"batches/step-{step:06d}/COMMIT.json"
+
+            def from_batch() -> list[dict[str, Any]]:
+                path = self.store.fs_path(f"batches/step-{step:06d}/trials.parquet")
+                rows = self._read_rows([path], SUMMARY_COLUMNS)
+                for row in rows:
+                    row["committed"] = True
+                return rows
+
+            return self._cached(("batch-rows", step), self._sig(marker), from_batch)
+        folder = f"trials/{split}/step-{step:06d}"
+
+        def from_saved() -> list[dict[str, Any]]:
+            names = [n for n in self._list(folder) if n.endswith(".parquet") and not n.startswith(".")]
+            rows = self._read_rows([self.store.fs_path(f"{folder}/{n}") for n in names], SUMMARY_COLUMNS)
+            for row in rows:
+                row["committed"] = False
+            return rows
+
+        return self._cached(("saved-rows", split, step), self._sig(folder), from_saved)
+
+    def trials(self) -> list[dict[str, Any]]:
+        """Every trial's summary (train and validation), by split, step and trial id."""
+        return self._rows_and_index()[0]
+
+    def trial_index(self) -> dict[str, dict[str, Any]]:
+        """Trial summaries by trial id."""
+        return self._rows_and_index()[1]
+
+    def _trial_keys(self) -> tuple[list[tuple[str, int, bool]], Any]:
+        """Which (split, step, committed) groups of trials exist, and a signature of all of them."""
+        committed = self.committed_steps()
+        keys: list[tuple[str, int, bool]] = [("train", s, True) for s in committed]
+        done = set(committed)
+        for split in ("train", "validation"):
+            for step in self._steps_of(self._list(f"trials/{split}")):
+                if split == "train" and step in done:
+                    continue
+                keys.append((split, step, False))
+        return keys, tuple((k, self._sig_of_rows(*k)) for k in keys)
+
+    def signature(self) -> Any:
+        """Changes whenever anything the UI derives from the store changes (for memoised views)."""
+        return (
+            self._trial_keys()[1],
+            *(
+                self._sig(p)
+                for p in (
+                    "metrics/trainer",
+                    "evals",
+                    "controller/state.json",
+                    "run.json",
+                    "trainer/state.json",
+                )
+            ),
+        )
+
+    def memo(self, key: Any, sig: Any, compute: Callable[[], T]) -> T:
+        """`compute()`, kept until `sig` changes (e.g. diagnostics, keyed by `signature()`)."""
+        return self._cached(("memo", key), sig, compute)
+
+    def _rows_and_index(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+        keys, sig = self._trial_keys()
+
+        def compute() -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+            rows: list[dict[str, Any]] = []
+            for split, step, is_committed in keys:
+                rows.extend(self._step_rows(split, step, is_committed))
+            rows.sort(key=lambda r: (r["split"] != "train", r["step"], r["trial"]))
+            return rows, {r["trial"]: r for r in rows}
+
+        return self._cached(("all-rows",), sig, compute)
+
+    def _sig_of_rows(self, split: str, step: int, committed: bool) -> Any:
+        if committed:
+            return self._sig(f"batches/step-{step:06d}/COMMIT.json")
+        return self._sig(f"trials/{split}/step-{step:06d}")
+
+    def query_trials(self, q: TrialQuery) -> dict[str, Any]:
+        rows = self._ordered(q.sort, q.order)
+        text = q.text.lower() if q.text else None
+        out = []
+        for r in rows:
+            if q.split is not None and r["split"] != q.split:
+                continue
+            if q.step is not None and r["step"] != q.step:
+                continue
+            if q.task is not None and r["task_id"] != q.task:
+                continue
+            if q.group is not None and r["group_id"] != q.group:
+                continue
+            if q.reason and r["termination_reason"] not in q.reason:
+                continue
+            if q.tampered is not None and bool(r["tamper_findings"]) != q.tampered:
+                continue
+            reward = r["reward"]
+            if q.min_reward is not None and (reward is None or reward < q.min_reward):
+                continue
+            if q.max_reward is not None and (reward is None or reward > q.max_reward):
+                continue
+            if text is not None and text not in r["trial"].lower() and text not in r["task_id"].lower():
+                continue
+            out.append(r)
+
+        return {
+            "total": len(out),
+            "offset": q.offset,
+            "limit": q.limit,
+            "items": out[q.offset : q.offset + q.limit],
+        }
+
+    def _ordered(self, sort: str, order: str) -> list[dict[str, Any]]:
+        """Every trial ordered by `sort` (kept until the trials change); filters keep this order."""
+        if (sort, order) == ("step", "asc"):
+            return self.trials()
+
+        def compute() -> list[dict[str, Any]]:
+            rows = self.trials()
+            # Rows without a value (no reward, no duration) go last in either order.
+            present = [r for r in rows if r.get(sort) is not None]
+            missing = [r for r in rows if r.get(sort) is None]
+            present.sort(key=lambda r: (r[sort], r["step"], r["trial"]), reverse=order == "desc")
+            return present + missing
+
+        return self.memo(("ordered", sort, order), self._trial_keys()[1], compute)
+
+    # --- derived views -----------------------------------------------------------------------------
+    def progress(self) -> dict[str, Any]:
+        """The controller's snapshot (or what the store alone says when there is none)."""
+        state = dict(self.controller_state() or {})
+        committed = self.committed_steps()
+        state.setdefault("step", committed[-1] if committed else 0)
+        trainer = self.trainer_state() or {}
+        state.setdefault("policy_version", trainer.get("policy_version", "v0"))
+        return state
+
+    def summary(self) -> dict[str, Any]:
+        """One row of the runs list."""
+        spec = self.run_spec() or {}
+        p = self.progress()
+        evals = self.evals()
+        last_eval = evals[-1] if evals else {}
+        metrics = self.metrics()
+        last = metrics[-1] if metrics else {}
+        stop = (spec.get("spec") or {}).get("stop") or {}
+        updated = self.updated_at()
+        return {
+            "name": self.name(),
+            "store": self.uri,
+            "step": p.get("step", 0),
+            "max_steps": p.get("max_steps") or stop.get("maxSteps"),
+            "policy_version": p.get("policy_version"),
+            "reward_mean": _num(p.get("reward_mean")),
+            "held_out": _num(last_eval.get("solve_rate") if last_eval else p.get("held_out_solve_rate")),
+            "held_out_interval": last_eval.get("interval95") or p.get("held_out_interval"),
+            "baseline": _num(p.get("baseline_solve_rate")),
+            "fidelity": _num(last.get("fidelity_pearson")) if last else _num(p.get("fidelity_correlation")),
+            "trials_per_minute": _num(p.get("trials_per_minute")),
+            "trials_total": p.get("trials_total"),
+            "trials_running": p.get("trials_running"),
+            "message": p.get("message") or "",
+            "degraded_reason": p.get("degraded_reason"),
+            "updated_seconds_ago": (time.time() - updated) if updated else None,
+            "conditions": self.local_conditions(),
+        }
+
+    def local_conditions(self) -> list[dict[str, Any]]:
+        """Conditions as the store shows them (no cluster: nothing else writes any)."""
+        p = self.controller_state()
+        if p is None:
+            return [
+                {
+                    "type": "Training",
+                    "status": "Unknown",
+                    "reason": "NoProgressYet",
+                    "message": "the run controller has not written controller/state.json yet",
+                }
+            ]
+        updated = self.updated_at()
+        fresh = updated is not None and time.time() - updated < 120
+        step, max_steps = int(p.get("step") or 0), p.get("max_steps")
+        running = int(p.get("trials_running") or 0)
+        finished = max_steps is not None and step >= int(max_steps) and running == 0
+        out: list[dict[str, Any]] = []
+        if finished:
+            out.append(
+                {
+                    "type": "Succeeded",
+                    "status": "True",
+                    "reason": "Finished",
+                    "message": p.get("message") or f"trained {step} step(s)",
+                }
+            )
+        else:
+            out.append(
+                {
+                    "type": "Training",
+                    "status": "True" if fresh else "Unknown",
+                    "reason": "Running" if fresh else "NoRecentProgress",
+                    "message": p.get("message")
+                    or (
+                        f"step {step} of {max_steps}, {running} trial(s) running"
+                        if fresh
+                        else "no progress written in the last 2 minutes: stopped, or the writer is gone"
+                    ),
+                }
+            )
+        if p.get("degraded_reason"):
+            out.append(
+                {
+                    "type": "Degraded",
+                    "status": "True",
+                    "reason": p["degraded_reason"],
+                    "message": p.get("degraded_message") or "",
+                }
+            )
+        for c in out:
+            c["lastTransitionTime"] = (
+                datetime.fromtimestamp(updated).astimezone().isoformat() if updated else None
+            )
+            c["source"] = "store"
+        return out
+
+    def batches(self) -> list[dict[str, Any]]:
+        out = []
+        for step in self.committed_steps():
+            marker = self.commit(step) or {}
+            out.append(
+                {
+                    "step": step,
+                    "policy_version": marker.get("policy_version"),
+                    "num_trials": marker.get("num_trials"),
+                    "created_at": marker.get("created_at"),
+                    "size": marker.get("size"),
+                    "meta": marker.get("meta") or {},
+                }
+            )
+        return out
+
+    def overview(self) -> dict[str, Any]:
+        return {
+            "name": self.name(),
+            "store": self.uri,
+            "spec": self.run_spec(),
+            "progress": self.progress(),
+            "trainer": self.trainer_state(),
+            "batches": self.batches(),
+            "evals": self.evals(),
+            "published_versions": self.published_versions(),
+            "conditions": self.local_conditions(),
+        }
+
+    def curves(self) -> dict[str, Any]:
+        metrics = self.metrics()
+        series: dict[str, list[list[float]]] = {}
+        for m in metrics:
+            step = m.get("step")
+            if not isinstance(step, int):
+                continue
+            for key, value in m.items():
+                v = _num(value)
+                if key != "step" and v is not None:
+                    series.setdefault(key, []).append([step, v])
+        batch_reward = []
+        for b in self.batches():
+            v = _num(b["meta"].get("reward_mean"))
+            if v is not None:
+                batch_reward.append([b["step"], v])
+        if batch_reward:
+            series["reward_mean"] = batch_reward
+        held_out = []
+        for e in self.evals():
+            rate = _num(e.get("solve_rate"))
+            interval = e.get("interval95") or [None, None]
+            held_out.append(
+                {
+                    "step": e.get("step"),
+                    "rate": rate,
+                    "low": _num(interval[0]),
+                    "high": _num(interval[1]),
+                    "scored": e.get("scored"),
+                    "policy_version": e.get("policy_version"),
+                }
+            )
+        known = [c[0] for c in CURVES]
+        order = [k for k in known if k in series] + sorted(k for k in series if k not in known)
+        labels = {k: label for k, label, _ in CURVES}
+        groups = {k: group for k, _, group in CURVES}
+        return {
+            "series": [
+                {"key": k, "label": labels.get(k, k), "group": groups.get(k, "other"), "points": series[k]}
+                for k in order
+            ],
+            "held_out": held_out,
+        }
+
+    def outcomes(self) -> dict[str, Any]:
+        """Per training step: trials by termination reason, dropped share, zero-variance groups."""
+        return self.memo("outcomes", (self._trial_keys()[1], self._sig("run.json")), self._outcomes)
+
+    def _outcomes(self) -> dict[str, Any]:
+        drop = set(((self.run_spec() or {}).get("spec") or {}).get("filter", {}).get("dropReasons") or INFRA)
+        by_step: dict[int, dict[str, Any]] = {}
+        committed = set(self.committed_steps())
+        for r in self.trials():
+            if r["split"] != "train":
+                continue
+            entry = by_step.setdefault(
+                r["step"], {"step": r["step"], "by_reason": Counter(), "trials": 0, "committed": False}
+            )
+            entry["by_reason"][r["termination_reason"]] += 1
+            entry["trials"] += 1
+        steps = []
+        for step in sorted(by_step):
+            entry = by_step[step]
+            marker = (self.commit(step) or {}).get("meta", {}) if step in committed else {}
+            trials = entry["trials"]
+            dropped = sum(n for reason, n in entry["by_reason"].items() if reason in drop)
+            if marker:
+                kept = marker.get("kept")
+                dropped_share = (
+                    1 - kept / marker["trials"] if kept is not None and marker.get("trials") else None
+                )
+            else:
+                dropped_share = dropped / trials if trials else None
+            steps.append(
+                {
+                    "step": step,
+                    "committed": step in committed,
+                    "trials": trials,
+                    "by_reason": dict(entry["by_reason"]),
+                    "dropped": dropped,
+                    "dropped_share": dropped_share,
+                    "zero_variance_groups": marker.get("zero_variance_groups"),
+                    "groups": marker.get("groups"),
+                    "infra_failures": sum(n for reason, n in entry["by_reason"].items() if reason in INFRA),
+                }
+            )
+        evals = [
+            {"step": e.get("step"), "by_reason": e.get("by_reason") or {}, "trials": e.get("trials")}
+            for e in self.evals()
+        ]
+        return {
+            "reasons": REASONS,
+            "infra": INFRA,
+            "drop_reasons": sorted(drop),
+            "steps": steps,
+            "evals": evals,
+        }
+
+    def task_grid(self) -> dict[str, Any]:
+        """Per-task solve rate (mean reward) across steps, training and held-out."""
+        return self.memo("task_grid", (self._trial_keys()[1]), self._task_grid)
+
+    def _task_grid(self) -> dict[str, Any]:
+        cells: dict[tuple[str, str, int], list[float | None]] = {}
+        for r in self.trials():
+            cells.setdefault((r["split"], r["task_id"], r["step"]), []).append(r["reward"])
+        out: dict[str, dict[str, Any]] = {"train": {}, "validation": {}}
+        steps: dict[str, set[int]] = {"train": set(), "validation": set()}
+        for (split, task, step), rewards in cells.items():
+            scored = [x for x in rewards if x is not None]
+            out[split].setdefault(task, {})[str(step)] = {
+                "n": len(rewards),
+                "scored": len(scored),
+                "mean": sum(scored) / len(scored) if scored else None,
+                "solved": sum(1 for x in scored if x >= 1.0),
+            }
+            steps[split].add(step)
+        return {
+            split: {
+                "steps": sorted(steps[split]),
+                "tasks": [
+                    {
+                        "task": task,
+                        "cells": row,
+                        "mean": _mean([c["mean"] for c in row.values() if c["mean"] is not None]),
+                    }
+                    for task, row in sorted(out[split].items())
+                ],
+            }
+            for split in ("train", "validation")
+        }
+
+    def stage_stats(self) -> dict[str, Any]:
+        """Sandbox stage timings over all trials: p50 / p95 / max per stage, and per termination reason."""
+        return self.memo("stage_stats", (self._trial_keys()[1]), self._stage_stats)
+
+    def _stage_stats(self) -> dict[str, Any]:
+        stages: dict[str, list[float]] = {}
+        for r in self.trials():
+            for stage, seconds in r["stage_seconds"].items():
+                if isinstance(seconds, (int, float)):
+                    stages.setdefault(stage, []).append(float(seconds))
+        return {
+            stage: {
+                "n": len(v),
+                "p50": _percentile(v, 0.5),
+                "p95": _percentile(v, 0.95),
+                "max": max(v),
+                "mean": statistics.fmean(v),
+            }
+            for stage, v in sorted(stages.items())
+        }
+
+    # --- one trial, with its tokens -------------------------------------------------------------------
+    def token_text(self) -> TokenText | None:
+        candidates: list[Path] = []
+        if self._tokenizer_path is not None:
+            candidates.append(self._tokenizer_path)
+        if self.root is not None:
+            for version in reversed(self.published_versions()):
+                candidates.append(self.root / "weights" / version / "tokenizer.json")
+            checkpoint = (((self.run_spec() or {}).get("spec") or {}).get("policy") or {}).get("checkpoint")
+            uri = (checkpoint or {}).get("uri") if isinstance(checkpoint, dict) else None
+            if isinstance(uri, str) and (uri.startswith("/") or uri.startswith("file://")):
+                candidates.append(Path(uri.removeprefix("file://")) / "tokenizer.json")
+        found = next((p for p in candidates if p.is_file()), None)
+        key = str(found) if found else ""
+        with self._lock:
+            if self._token_text is not None and self._token_text[0] == key:
+                return self._token_text[1]
+        loaded = load_token_text(found) if found else None
+        with self._lock:
+            self._token_text = (key, loaded)
+        return loaded
+
+    def trial_record(self, trial: str) -> dict[str, Any]:
+        """The full stored row of one trial (with segments), as Python values."""
+        if not _TRIAL_ID_RE.fullmatch(trial):
+            raise NotFound(f"no trial {trial!r} in run {self.name()!r}")
+        summary = self.trial_index().get(trial)
+        if summary is None:
+            raise NotFound(f"no trial {trial!r} in run {self.name()!r}")
+        split, step = summary["split"], summary["step"]
+        saved = f"trials/{split}/step-{step:06d}/{trial}.parquet"
+        table: pa.Table | None = None
+        try:
+            with self.store.fs.open(self.store.fs_path(saved), "rb") as f:
+                table = pq.read_table(f)
+        except FileNotFoundError:
+            table = None
+        if table is None and summary.get("committed"):
+            path = self.store.fs_path(f"batches/step-{step:06d}/trials.parquet")
+            with self.store.fs.open(path, "rb") as f:
+                table = pq.read_table(f, filters=[("trial", "=", trial)])
+        if table is None or table.num_rows == 0:
+            raise NotFound(f"trial {trial!r} is listed but its record is gone from {self.uri}")
+        if table.schema.metadata and table.schema.metadata.get(b"legorl.schema") != b"trial":
+            raise StoreError(f"{saved} is not a trial table")
+        row: dict[str, Any] = table.select(
+            [n for n in TRIAL_SCHEMA.names if n in table.column_names]
+        ).to_pylist()[0]
+        return row
+
+    def trajectory(self, trial: str) -> dict[str, Any]:
+        """One trial turn by turn, with every token's text, loss mask, behaviour log-prob and routing."""
+        row = self.trial_record(trial)
+        summary = _summary_row(row)
+        tok = self.token_text()
+        segments = []
+        total = 0
+        truncated = False
+        for seg in row["segments"]:
+            ids: list[int] = list(seg["token_ids"])
+            if total + len(ids) > _MAX_TOKENS:
+                ids = ids[: max(0, _MAX_TOKENS - total)]
+                truncated = True
+            total += len(ids)
+            n = len(ids)
+            mask = list(seg["loss_mask"])[:n]
+            logprobs = [float(x) for x in list(seg["behavior_logprobs"])[:n]]
+            text = tok.pieces(ids) if tok is not None else None
+            experts = _routing(seg.get("routed_experts"), seg.get("routed_experts_shape"), n)
+            segments.append(
+                {
+                    "index": seg["index"],
+                    "policy_versions": list(seg["policy_versions"]),
+                    "turns": _turns(
+                        ids=ids,
+                        mask=mask,
+                        logprobs=logprobs,
+                        text=text,
+                        experts=experts,
+                        turn_indices=list(seg["turn_indices"]),
+                    ),
+                    "tokens": n,
+                    "sampled": sum(mask),
+                    "routing": None if experts is None else {"layers": experts[1], "top_k": experts[2]},
+                    "training_logprobs": None,
+                }
+            )
+            if truncated:
+                break
+        return {
+            "trial": summary,
+            "tokenizer": tok.source if tok is not None else None,
+            "segments": segments,
+            "truncated": truncated,
+            "training_logprobs_note": (
+                "the run store keeps no per-token training log-probs; the trainer's fidelity figures "
+                "(curves) summarise rollout-vs-training agreement per step"
+            ),
+        }
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _routing(
+    flat: list[int] | None, shape: list[int] | None, n: int
+) -> tuple[list[list[list[int]]], int, int] | None:
+    """Per token, the experts each layer routed it to (row i is token i; the last token has none)."""
+    if flat is None or shape is None:
+        return None
+    rows, layers, top_k = (int(x) for x in shape)
+    per_token: list[list[list[int]]] = []
+    for i in range(min(rows, n)):
+        base = i * layers * top_k
+        per_token.append(
+            [list(flat[base + l * top_k : base + (l + 1) * top_k]) for l in range(layers)]  # noqa: E741
+        )
+    return per_token, layers, top_k
+
+
+def _turns(
+    *,
+    ids: list[int],
+    mask: list[int],
+    logprobs: list[float],
+    text: list[str] | None,
+    experts: tuple[list[list[list[int]]], int, int] | None,
+    turn_indices: list[int],
+) -> list[dict[str, Any]]:
+    """Split a segment into turns: each is the context the model was shown (mask 0) and its sampled
+    completion (mask 1)."""
+    runs: list[tuple[int, int, int]] = []  # (mask, start, end)
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            runs.append((mask[start], start, i))
+            start = i
+    turns: list[dict[str, Any]] = []
+    pending: tuple[int, int] | None = None
+    turn_no = 0
+
+    def part(kind: str, a: int, b: int) -> dict[str, Any]:
+        return {
+            "kind": kind,
+            "start": a,
+            "ids": ids[a:b],
+            "text": text[a:b] if text is not None else None,
+            "mask": mask[a:b],
+            "logprobs": logprobs[a:b],
+            "experts": experts[0][a:b] if experts is not None else None,
+        }
+
+    for m, a, b in runs:
+        if m == 0:
+            pending = (a, b)
+            continue
+        parts = []
+        if pending is not None:
+            parts.append(part("context", *pending))
+            pending = None
+        parts.append(part("completion", a, b))
+        completion = "".join(text[a:b]) if text is not None else ""
+        turns.append(
+            {
+                "turn": turn_indices[turn_no] if turn_no < len(turn_indices) else None,
+                "parts": parts,
+                "tool_calls": _tool_calls(completion),
+                "tokens": b - a,
+                "mean_logprob": statistics.fmean(logprobs[a:b]) if b > a else None,
+            }
+        )
+        turn_no += 1
+    if pending is not None:
+        turns.append(
+            {
+                "turn": None,
+                "parts": [part("context", *pending)],
+                "tool_calls": [],
+                "tokens": 0,
+                "mean_logprob": None,
+            }
+        )
+    return turns
+
+
+def _tool_calls(text: str) -> list[dict[str, Any]]:
+    """Tool calls in a completion, in the hermes format the tiny policies and Qwen models use."""
+    calls = []
+    for body in _TOOL_CALL_RE.findall(text):
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            calls.append({"name": None, "arguments": body, "valid": False})
+            continue
+        if isinstance(obj, dict):
+            args = obj.get("arguments")
+            calls.append(
+                {
+                    "name": str(obj.get("name")) if obj.get("name") is not None else None,
+                    "arguments": args if isinstance(args, str) else json.dumps(args, indent=1),
+                    "valid": True,
+                }
+            )
+    return calls

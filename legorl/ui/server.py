@@ -1,0 +1,894 @@
+"""The UI's ASGI application: a JSON API over run stores and the cluster, and the packaged front end.
+
+Routes (all JSON but `/` and `/static/...`; every URL the front end uses is relative, so the UI works
+at any path prefix, behind `kubectl port-forward` or `kubectl proxy`):
+
+- `GET /healthz`; `GET /api/info` (version, where runs come from, whether actions are enabled).
+- `GET /api/runs`; `GET /api/runs/{run}` (overview: conditions, preflight, resolved spec, events,
+  batches, evaluations); `.../curves`; `.../outcomes`; `.../tasks`; `.../trials?filters` (paginated);
+  `.../trials/{trial}` (the trajectory, token by token); `.../fleet`; `.../sandboxes`; `.../diagnostics`.
+- `GET /api/compare?runs=a,b`; `GET /api/rules` (the diagnostics' rules).
+- `POST /api/runs/{run}/actions/{pause|resume|validate}`: only with `Authorization: Bearer <token>`
+  matching the configured action token; 403 when none is configured.
+
+Bad query parameters answer 400 with `{"error": {"message", "param"}}`; unknown runs, steps and
+trials 404. Responses carry a strict Content-Security-Policy; the front end builds every element from
+text (trajectories are untrusted model output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import parse_qs, unquote
+
+import httpx
+
+from legorl.api import __version__
+from legorl.api.store import StoreError
+
+from . import diag
+from .catalog import Catalog, RunEntry
+from .data import REASONS, SORT_KEYS, NotFound, TrialQuery
+from .kube import (
+    POLICY_VERSION_ANNOTATION,
+    RUN_LABEL,
+    TRIAL_LABEL,
+    VALIDATE_ANNOTATION,
+    KubeError,
+    KubeSource,
+    pod_stage,
+)
+from .settings import UiSettings
+
+__all__ = ["CSP", "UiApp", "start_in_thread"]
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+STATIC_DIR: Final = Path(__file__).parent / "static"
+CSP: Final = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+_SECURITY_HEADERS: Final = [
+    (b"content-security-policy", CSP.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"x-frame-options", b"DENY"),
+    (b"cross-origin-opener-policy", b"same-origin"),
+]
+_TYPES: Final = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+    ".json": "application/json",
+}
+ACTIONS: Final = ("pause", "resume", "validate")
+_TRIAL_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_RUN_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~-]{0,300}")
+_MAX_BODY: Final = 64 * 1024
+
+
+class HttpError(Exception):
+    """An answer other than 200, with a message a person can act on."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    params: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+
+class Params:
+    """Query parameters, checked: unknown names, repeats and malformed values are 400s."""
+
+    def __init__(self, query: dict[str, list[str]], allowed: tuple[str, ...]) -> None:
+        for name, values in query.items():
+            if name not in allowed:
+                known = ", ".join(allowed) if allowed else "none"
+                raise HttpError(400, f"unknown query parameter {name!r} (this endpoint takes: {known})", name)
+            if len(values) > 1:
+                raise HttpError(
+                    400, f"query parameter {name!r} is given {len(values)} times; give it once", name
+                )
+        self.query = {k: v[0] for k, v in query.items()}
+
+    def text(self, name: str, max_length: int = 256) -> str | None:
+        value = self.query.get(name)
+        if value is None or value == "":
+            return None
+        if len(value) > max_length:
+            raise HttpError(400, f"{name} is longer than {max_length} characters", name)
+        return value
+
+    def integer(
+        self, name: str, default: int | None = None, *, low: int = 0, high: int = 10**9
+    ) -> int | None:
+        value = self.text(name)
+        if value is None:
+            return default
+        if not re.fullmatch(r"-?[0-9]{1,10}", value):
+            raise HttpError(400, f"{name} must be an integer, got {value!r}", name)
+        number = int(value)
+        if not low <= number <= high:
+            raise HttpError(400, f"{name} must be between {low} and {high}, got {number}", name)
+        return number
+
+    def number(self, name: str) -> float | None:
+        value = self.text(name, 64)
+        if value is None:
+            return None
+        try:
+            number = float(value)
+        except ValueError:
+            raise HttpError(400, f"{name} must be a number, got {value!r}", name) from None
+        if not math.isfinite(number):
+            raise HttpError(400, f"{name} must be a finite number, got {value!r}", name)
+        return number
+
+    def choice(
+        self, name: str, choices: tuple[str, ...] | list[str], default: str | None = None
+    ) -> str | None:
+        value = self.text(name)
+        if value is None:
+            return default
+        if value not in choices:
+            raise HttpError(400, f"{name} must be one of {', '.join(choices)}; got {value!r}", name)
+        return value
+
+    def flag(self, name: str) -> bool | None:
+        value = self.text(name, 8)
+        if value is None:
+            return None
+        if value.lower() in ("true", "1", "yes"):
+            return True
+        if value.lower() in ("false", "0", "no"):
+            return False
+        raise HttpError(400, f"{name} must be true or false, got {value!r}", name)
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def json_bytes(obj: Any) -> bytes:
+    """JSON that every browser parses: NaN and infinities become null."""
+    try:
+        return json.dumps(obj, allow_nan=False, separators=(",", ":"), default=str).encode()
+    except ValueError:
+        return json.dumps(_clean(obj), allow_nan=False, separators=(",", ":"), default=str).encode()
+
+
+def _error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "param": param, "status": status}}
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+class UiApp:
+    """The UI. Give it to any ASGI server (`legorl ui` uses uvicorn)."""
+
+    def __init__(
+        self,
+        settings: UiSettings,
+        *,
+        kube: KubeSource | None = None,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.settings = settings
+        self.kube = kube
+        self._own_kube = False
+        self.catalog = Catalog(settings, kube)
+        self._http = http
+        self._static = self._load_static()
+        self._routes: list[tuple[str, re.Pattern[str], Callable[[Request], Awaitable[Any]]]] = []
+        self._add("GET", r"/healthz", self.healthz)
+        self._add("GET", r"/api/info", self.info)
+        self._add("GET", r"/api/rules", self.rules)
+        self._add("GET", r"/api/compare", self.compare)
+        self._add("GET", r"/api/runs", self.runs)
+        self._add("GET", r"/api/runs/(?P<run>[^/]+)", self.overview)
+        self._add("GET", r"/api/runs/(?P<run>[^/]+)/curves", self.curves)
+        self._add("GET", r"/api/runs/(?P<run>[^/]+)/outcomes", self.outcomes)
+        self._add("GET", r"/api/runs/(?P<run>[^/]+)/tasks", self.tasks)
+        self._add("GET", r"/api/runs/(?P<run>[^/]+)/trials", self.trials)
+        self._add("GET", r"/api/runs/(?P<run>[^/]+)/trials/(?P<trial>[^/]+)", self.trajectory)
+        self._add("GET", r"/api/runs/(?P<run>[^/]+)/fleet", self.fleet)
+        self._add("GET", r"/api/runs/(?P<run>[^/]+)/sandboxes", self.sandboxes)
+        self._add("GET", r"/api/runs/(?P<run>[^/]+)/diagnostics", self.diagnostics)
+        self._add("POST", r"/api/runs/(?P<run>[^/]+)/actions/(?P<action>[^/]+)", self.action)
+
+    def _add(self, method: str, pattern: str, handler: Callable[[Request], Awaitable[Any]]) -> None:
+        self._routes.append((method, re.compile(pattern), handler))
+
+    @staticmethod
+    def _load_static() -> dict[str, tuple[bytes, str]]:
+        files: dict[str, tuple[bytes, str]] = {}
+        for path in STATIC_DIR.rglob("*"):
+            if path.is_file() and path.suffix in _TYPES:
+                files[path.relative_to(STATIC_DIR).as_posix()] = (path.read_bytes(), _TYPES[path.suffix])
+        return files
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    async def startup(self) -> None:
+        if self.kube is None and self.settings.kube is not None:
+            self.kube = KubeSource(self.settings.kube)
+            self.catalog.kube = self.kube
+            self._own_kube = True
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=2.0)
+
+    async def shutdown(self) -> None:
+        if self._own_kube and self.kube is not None:
+            await self.kube.close()
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- ASGI ------------------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if self._http is None:
+            await self.startup()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        path = scope["path"]
+        request = Request(
+            method=scope["method"],
+            path=path,
+            query=parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True),
+            headers=headers,
+        )
+        if path == "/" or path.startswith("/static/") or path == "/index.html":
+            await self._serve_static(request, send)
+            return
+        try:
+            if request.method == "POST":
+                request.body = await self._read_body(receive)
+            result = await self._dispatch(request)
+            await self._send(send, 200, json_bytes(result), "application/json")
+        except HttpError as exc:
+            await self._send(send, exc.status, json_bytes(_error(exc.status, exc.message, exc.param)))
+        except NotFound as exc:
+            await self._send(send, 404, json_bytes(_error(404, str(exc))))
+        except KubeError as exc:
+            status = exc.status if exc.status in (404, 409, 422, 503) else 502
+            await self._send(send, status, json_bytes(_error(status, f"Kubernetes API: {exc}")))
+        except StoreError as exc:
+            await self._send(send, 500, json_bytes(_error(500, f"run store: {exc}")))
+        except Exception:
+            log.exception("%s %s failed", request.method, path)
+            await self._send(
+                send,
+                500,
+                json_bytes(_error(500, "internal error while answering; the UI's log has the details")),
+            )
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        body = b""
+        while True:
+            message = await receive()
+            chunk: bytes = message.get("body", b"")
+            body += chunk
+            if len(body) > _MAX_BODY:
+                raise HttpError(413, f"request body over {_MAX_BODY} bytes")
+            if not message.get("more_body"):
+                return body
+
+    async def _dispatch(self, request: Request) -> Any:
+        allowed = []
+        for method, pattern, handler in self._routes:
+            match = pattern.fullmatch(request.path.rstrip("/") or "/")
+            if match is None:
+                continue
+            if method != request.method:
+                allowed.append(method)
+                continue
+            request.params = {k: unquote(v) for k, v in match.groupdict().items()}
+            return await handler(request)
+        if allowed:
+            raise HttpError(
+                405, f"{request.method} is not allowed here; use {', '.join(sorted(set(allowed)))}"
+            )
+        raise HttpError(404, f"no such endpoint: {request.path}")
+
+    async def _send(
+        self,
+        send: Send,
+        status: int,
+        body: bytes,
+        content_type: str = "application/json",
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        headers = [
+            (b"content-type", content_type.encode()),
+            (b"content-length", str(len(body)).encode()),
+            (b"cache-control", b"no-store"),
+            *_SECURITY_HEADERS,
+            *(extra or []),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _serve_static(self, request: Request, send: Send) -> None:
+        if request.method not in ("GET", "HEAD"):
+            await self._send(send, 405, json_bytes(_error(405, "static files are GET only")))
+            return
+        name = "index.html" if request.path in ("/", "/index.html") else request.path.removeprefix("/static/")
+        found = self._static.get(name)
+        if found is None:
+            await self._send(send, 404, json_bytes(_error(404, f"no static file {name!r}")))
+            return
+        body, content_type = found
+        await self._send(send, 200, b"" if request.method == "HEAD" else body, content_type)
+
+    # --- helpers ---------------------------------------------------------------------------------------
+    async def _entry(self, request: Request) -> RunEntry:
+        run = request.params["run"]
+        if not _RUN_RE.fullmatch(run):
+            raise HttpError(404, f"no run {run!r}", "run")
+        return await self.catalog.get(run)
+
+    @staticmethod
+    def _need_store(entry: RunEntry) -> Any:
+        if entry.store is None:
+            raise HttpError(
+                409, f"the run store of {entry.name!r} cannot be read by this UI: {entry.store_note}", "run"
+            )
+        return entry.store
+
+    async def _row(self, entry: RunEntry) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "id": entry.id,
+            "name": entry.name,
+            "namespace": entry.namespace,
+            "source": entry.source,
+            "store_note": entry.store_note,
+        }
+        if entry.store is not None:
+            try:
+                row.update(await asyncio.to_thread(entry.store.summary))
+            except (StoreError, OSError, ValueError) as exc:
+                row["store_note"] = f"cannot read the run store: {exc}"
+        row.setdefault("conditions", [])
+        if entry.resource is not None:
+            status = entry.resource.get("status") or {}
+            metrics = status.get("metrics") or {}
+            row["phase"] = status.get("phase") or "Pending"
+            row["conditions"] = status.get("conditions") or []
+            row["reason"] = status.get("reason") or ""
+            for key, value in (
+                ("step", status.get("step")),
+                ("policy_version", status.get("policyVersion")),
+                ("reward_mean", metrics.get("rewardMean")),
+                ("held_out", metrics.get("heldOutSolveRate")),
+                ("baseline", metrics.get("baselineSolveRate")),
+                ("fidelity", metrics.get("fidelityCorrelation")),
+                ("trials_per_minute", metrics.get("trialsPerMinute")),
+                ("trials_total", (status.get("trials") or {}).get("total")),
+                ("trials_running", (status.get("trials") or {}).get("running")),
+                ("suspended", (entry.resource.get("spec") or {}).get("suspend", False)),
+            ):
+                if value is not None:
+                    row[key] = value
+        else:
+            row["phase"] = _local_phase(row["conditions"])
+        return row
+
+    # --- handlers ----------------------------------------------------------------------------------------
+    async def healthz(self, request: Request) -> Any:
+        Params(request.query, ())
+        return {"ok": True}
+
+    async def info(self, request: Request) -> Any:
+        Params(request.query, ())
+        return {
+            "version": __version__,
+            "cluster": self.kube is not None,
+            "namespaces": list(self.settings.kube.namespaces) if self.settings.kube else [],
+            "actions_enabled": self.settings.actions_enabled,
+            "actions": list(ACTIONS),
+            "reasons": REASONS,
+            "static": False,
+        }
+
+    async def rules(self, request: Request) -> Any:
+        Params(request.query, ())
+        return await asyncio.to_thread(diag.rules)
+
+    async def runs(self, request: Request) -> Any:
+        Params(request.query, ())
+        entries, note = await self.catalog.runs()
+        rows = [await self._row(e) for e in entries]
+        return {"runs": rows, "cluster_note": note}
+
+    async def overview(self, request: Request) -> Any:
+        Params(request.query, ())
+        entry = await self._entry(request)
+        out: dict[str, Any] = {"run": await self._row(entry)}
+        if entry.store is not None:
+            out.update(await asyncio.to_thread(entry.store.overview))
+        if entry.resource is not None:
+            out["spec"] = entry.resource
+            status = entry.resource.get("status") or {}
+            out["conditions"] = status.get("conditions") or []
+            out["preflight"] = status.get("preflight") or []
+            out["status"] = status
+            out["events"] = await self._events(entry)
+        else:
+            out.setdefault("preflight", [])
+            out["events"] = []
+        return out
+
+    async def _events(self, entry: RunEntry) -> list[dict[str, Any]]:
+        if self.kube is None or entry.resource is None or entry.namespace is None:
+            return []
+        targets = [("RLRun", entry.name)]
+        fleet, pool = _fleet_name(entry), _pool_name(entry)
+        targets += [("RolloutFleet", fleet), ("SandboxPool", pool)]
+        out = []
+        for kind, name in targets:
+            for e in await self.kube.events(entry.namespace, kind, name):
+                out.append(
+                    {
+                        "kind": kind,
+                        "object": name,
+                        "type": e.get("type"),
+                        "reason": e.get("reason"),
+                        "message": e.get("message"),
+                        "count": e.get("count"),
+                        "time": e.get("lastTimestamp") or e.get("eventTime") or e.get("firstTimestamp"),
+                    }
+                )
+        out.sort(key=lambda e: str(e.get("time") or ""), reverse=True)
+        return out[:200]
+
+    async def curves(self, request: Request) -> Any:
+        Params(request.query, ())
+        entry = await self._entry(request)
+        return await asyncio.to_thread(self._need_store(entry).curves)
+
+    async def outcomes(self, request: Request) -> Any:
+        Params(request.query, ())
+        entry = await self._entry(request)
+        return await asyncio.to_thread(self._need_store(entry).outcomes)
+
+    async def tasks(self, request: Request) -> Any:
+        Params(request.query, ())
+        entry = await self._entry(request)
+        return await asyncio.to_thread(self._need_store(entry).task_grid)
+
+    async def trials(self, request: Request) -> Any:
+        p = Params(
+            request.query,
+            (
+                "split",
+                "step",
+                "task",
+                "reason",
+                "group",
+                "tampered",
+                "min_reward",
+                "max_reward",
+                "q",
+                "sort",
+                "order",
+                "offset",
+                "limit",
+            ),
+        )
+        reasons: tuple[str, ...] = ()
+        reason_text = p.text("reason", 512)
+        if reason_text:
+            reasons = tuple(r.strip() for r in reason_text.split(",") if r.strip())
+            bad = [r for r in reasons if r not in REASONS]
+            if bad:
+                raise HttpError(
+                    400,
+                    f"reason {bad[0]!r} is not a termination reason (one of {', '.join(REASONS)})",
+                    "reason",
+                )
+        query = TrialQuery(
+            split=p.choice("split", ("train", "validation")),
+            step=p.integer("step"),
+            task=p.text("task"),
+            reason=reasons,
+            group=p.text("group"),
+            tampered=p.flag("tampered"),
+            min_reward=p.number("min_reward"),
+            max_reward=p.number("max_reward"),
+            text=p.text("q", 128),
+            sort=p.choice("sort", SORT_KEYS, "step") or "step",
+            order=p.choice("order", ("asc", "desc"), "asc") or "asc",
+            offset=p.integer("offset", 0) or 0,
+            limit=p.integer("limit", 50, low=1, high=self.settings.max_page) or 50,
+        )
+        if (
+            query.min_reward is not None
+            and query.max_reward is not None
+            and query.min_reward > query.max_reward
+        ):
+            raise HttpError(400, "min_reward is above max_reward", "min_reward")
+        entry = await self._entry(request)
+        store = self._need_store(entry)
+        if query.step is not None:
+            steps = await asyncio.to_thread(lambda: {r["step"] for r in store.trials()})
+            if query.step not in steps:
+                raise HttpError(404, f"run {entry.name!r} has no trials at step {query.step}", "step")
+        return await asyncio.to_thread(store.query_trials, query)
+
+    async def trajectory(self, request: Request) -> Any:
+        Params(request.query, ())
+        trial = request.params["trial"]
+        if not _TRIAL_RE.fullmatch(trial):
+            raise HttpError(404, f"no trial {trial!r}", "trial")
+        entry = await self._entry(request)
+        return await asyncio.to_thread(self._need_store(entry).trajectory, trial)
+
+    async def fleet(self, request: Request) -> Any:
+        Params(request.query, ())
+        entry = await self._entry(request)
+        out: dict[str, Any] = {"available": False, "replicas": []}
+        if entry.store is not None:
+            trainer = await asyncio.to_thread(entry.store.trainer_state) or {}
+            out["trainer_policy_version"] = trainer.get("policy_version")
+            out["published_versions"] = await asyncio.to_thread(entry.store.published_versions)
+        if entry.resource is not None and self.kube is not None and entry.namespace:
+            name = _fleet_name(entry)
+            body = await self.kube.get("RolloutFleet", entry.namespace, name)
+            if body is None:
+                out["note"] = f"RolloutFleet {name!r} does not exist (yet)"
+                return out
+            status = body.get("status") or {}
+            pods = await self._selected_pods(entry.namespace, status.get("selector") or "")
+            by_name = {(p.get("metadata") or {}).get("name"): p for p in pods}
+            replicas = []
+            endpoints = status.get("endpoints") or []
+            for ep in endpoints:
+                pod = by_name.pop(ep.get("name"), None)
+                replicas.append(await self._replica(ep.get("name"), ep.get("url"), ep, pod))
+            for pod_name, pod in by_name.items():
+                replicas.append(await self._replica(pod_name, None, {}, pod))
+            out.update(
+                available=True,
+                source="cluster",
+                name=name,
+                spec_replicas=(body.get("spec") or {}).get("replicas"),
+                ready_replicas=status.get("readyReplicas", 0),
+                served_policy_version=status.get("servedPolicyVersion"),
+                conditions=status.get("conditions") or [],
+                replicas=replicas,
+            )
+            return out
+        url = self.settings.engine_url(entry.name)
+        if url is not None:
+            replica = await self._replica("local engine", url, {"ready": None}, None)
+            out.update(
+                available=True,
+                source="local",
+                replicas=[replica],
+                served_policy_version=replica.get("policy_version"),
+            )
+            return out
+        out["note"] = (
+            "not available locally: this UI was not started by the process that runs the engine "
+            "(`legorl run` serves the UI with its engine), and there is no cluster to read a RolloutFleet "
+            "from"
+        )
+        return out
+
+    async def _selected_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        assert self.kube is not None
+        labels = dict(part.split("=", 1) for part in selector.split(",") if "=" in part)
+        if not labels:
+            return []
+        return await self.kube.pods(namespace, labels)
+
+    async def _replica(
+        self, name: str | None, url: str | None, endpoint: dict[str, Any], pod: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        replica: dict[str, Any] = {
+            "name": name,
+            "url": url,
+            "ready": endpoint.get("ready"),
+            "policy_version": endpoint.get("policyVersion"),
+        }
+        if pod is not None:
+            meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+            replica["phase"] = status.get("phase")
+            replica["node"] = (pod.get("spec") or {}).get("nodeName")
+            replica["restarts"] = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
+            replica["policy_version"] = replica["policy_version"] or (meta.get("annotations") or {}).get(
+                POLICY_VERSION_ANNOTATION
+            )
+        if url:
+            replica.update(await self._engine_metrics(url))
+        return replica
+
+    async def _engine_metrics(self, url: str) -> dict[str, Any]:
+        """Queue and KV-cache usage from a vLLM's Prometheus metrics (best effort, 2 s)."""
+        assert self._http is not None
+        out: dict[str, Any] = {}
+        try:
+            response = await self._http.get(url.rstrip("/") + "/metrics")
+            values = _prometheus(response.text) if response.status_code == 200 else {}
+        except httpx.HTTPError as exc:
+            return {"metrics_note": f"engine metrics unreachable: {type(exc).__name__}"}
+        out["running"] = values.get("vllm:num_requests_running")
+        out["waiting"] = values.get("vllm:num_requests_waiting")
+        kv = values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc"))
+        out["kv_usage"] = kv
+        try:
+            info = await self._http.get(url.rstrip("/") + "/weight_info")
+            if info.status_code == 200:
+                data = info.json()
+                version = (
+                    data.get("weight_version") or data.get("version") if isinstance(data, dict) else None
+                )
+                if version:
+                    out["policy_version"] = str(version)
+        except (httpx.HTTPError, ValueError):
+            pass  # /weight_info exists only in vLLM's dev mode; the version then stays unknown
+        return out
+
+    async def sandboxes(self, request: Request) -> Any:
+        Params(request.query, ())
+        entry = await self._entry(request)
+        out: dict[str, Any] = {"available": False}
+        if entry.store is not None:
+            out["stage_stats"] = await asyncio.to_thread(entry.store.stage_stats)
+        if entry.resource is not None and self.kube is not None and entry.namespace:
+            name = _pool_name(entry)
+            pool = await self.kube.get("SandboxPool", entry.namespace, name)
+            pods = await self.kube.pods(entry.namespace, {RUN_LABEL: entry.name})
+            stages = Counter(pod_stage(p) for p in pods)
+            rows = []
+            for p in pods[:300]:
+                meta, status = p.get("metadata") or {}, p.get("status") or {}
+                rows.append(
+                    {
+                        "name": meta.get("name"),
+                        "trial": (meta.get("labels") or {}).get(TRIAL_LABEL),
+                        "stage": pod_stage(p),
+                        "phase": status.get("phase"),
+                        "node": (p.get("spec") or {}).get("nodeName"),
+                        "started": status.get("startTime"),
+                        "reason": status.get("reason"),
+                    }
+                )
+            pstatus = (pool or {}).get("status") or {}
+            out.update(
+                available=True,
+                source="cluster",
+                pool=None
+                if pool is None
+                else {
+                    "name": name,
+                    "conditions": pstatus.get("conditions") or [],
+                    "images_desired": pstatus.get("imagesDesired", 0),
+                    "images_cached": pstatus.get("imagesCached", 0),
+                    "nodes": pstatus.get("nodes") or [],
+                    "replicas": pstatus.get("replicas", 0),
+                    "ready_replicas": pstatus.get("readyReplicas", 0),
+                    "leased_replicas": pstatus.get("leasedReplicas", 0),
+                    "self_test": pstatus.get("selfTest") or {},
+                },
+                pool_note=None if pool is not None else f"SandboxPool {name!r} does not exist (yet)",
+                stages=dict(stages),
+                pods=rows,
+            )
+            return out
+        out["note"] = (
+            "not available locally: `legorl run` runs trials in local sandboxes (bubblewrap), without a "
+            "SandboxPool, trial pods or an image cache; the stage timings below come from the run store"
+        )
+        return out
+
+    async def diagnostics(self, request: Request) -> Any:
+        Params(request.query, ())
+        entry = await self._entry(request)
+        pods: list[dict[str, Any]] = []
+        events: list[dict[str, Any]] = []
+        if entry.resource is not None and self.kube is not None and entry.namespace:
+            pods = await self.kube.pods(entry.namespace, {RUN_LABEL: entry.name})
+            events = await self.kube.events(entry.namespace, "RLRun", entry.name)
+        run = entry.resource
+        if run is None and entry.store is not None:
+            run = await asyncio.to_thread(entry.store.run_spec)
+        data = entry.store
+        if data is None:
+            result = diag.diagnose_run(None, run, pods, events)
+        elif pods or events:
+            result = await asyncio.to_thread(diag.diagnose_run, data.store, run, pods, events)
+        else:
+            # Without cluster objects the findings depend on the store alone: keep them until it changes.
+            def compute() -> dict[str, Any]:
+                return diag.diagnose_run(data.store, run, pods, events)
+
+            result = await asyncio.to_thread(lambda: data.memo("diagnostics", data.signature(), compute))
+        return {**result, "store_note": entry.store_note}
+
+    async def compare(self, request: Request) -> Any:
+        p = Params(request.query, ("runs",))
+        text = p.text("runs", 2048)
+        ids = [r for r in (text or "").split(",") if r]
+        if len(ids) < 2:
+            raise HttpError(400, "runs must name at least two runs, comma-separated (runs=a,b)", "runs")
+        if len(ids) > 8:
+            raise HttpError(400, "compare at most 8 runs at once", "runs")
+        if len(set(ids)) != len(ids):
+            raise HttpError(400, "runs names a run twice", "runs")
+        out = []
+        for run_id in ids:
+            if not _RUN_RE.fullmatch(run_id):
+                raise HttpError(404, f"no run {run_id!r}", "runs")
+            entry = await self.catalog.get(run_id)
+            row = await self._row(entry)
+            curves = await asyncio.to_thread(entry.store.curves) if entry.store is not None else None
+            out.append({"run": row, "curves": curves})
+        return {"runs": out}
+
+    async def action(self, request: Request) -> Any:
+        Params(request.query, ())
+        action = request.params["action"]
+        if action not in ACTIONS:
+            raise HttpError(404, f"no action {action!r}; actions: {', '.join(ACTIONS)}", "action")
+        token = self.settings.action_token
+        if not token:
+            raise HttpError(
+                403,
+                "actions are disabled: this UI runs read-only because no action token is configured "
+                "(set LEGORL_UI_ACTION_TOKEN, or the chart's ui.actionTokenSecret)",
+            )
+        given = request.headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+            raise HttpError(401, "this action needs the UI's action token as `Authorization: Bearer <token>`")
+        entry = await self._entry(request)
+        if entry.resource is None or self.kube is None or entry.namespace is None:
+            raise HttpError(
+                409,
+                f"{entry.name!r} is a local run store, not an RLRun in a cluster: pause, resume and validate "
+                "act on RLRuns (stop a local `legorl run` with Ctrl-C; run it again to resume)",
+            )
+        if action in ("pause", "resume"):
+            patch: dict[str, Any] = {"spec": {"suspend": action == "pause"}}
+        else:
+            patch = {"metadata": {"annotations": {VALIDATE_ANNOTATION: _now()}}}
+        await self.kube.patch_run(entry.namespace, entry.name, patch)
+        log.info("action %s on RLRun %s/%s", action, entry.namespace, entry.name)
+        return {"ok": True, "action": action, "run": entry.id, "patch": patch}
+
+
+def _fleet_name(entry: RunEntry) -> str:
+    res = entry.resource or {}
+    status, spec = res.get("status") or {}, res.get("spec") or {}
+    return str(status.get("fleetName") or (spec.get("fleetRef") or {}).get("name") or f"{entry.name}-fleet")
+
+
+def _pool_name(entry: RunEntry) -> str:
+    res = entry.resource or {}
+    status, spec = res.get("status") or {}, res.get("spec") or {}
+    return str(status.get("poolName") or (spec.get("poolRef") or {}).get("name") or f"{entry.name}-pool")
+
+
+def _local_phase(conditions: list[dict[str, Any]]) -> str:
+    by_type = {c.get("type"): c for c in conditions}
+    if (by_type.get("Degraded") or {}).get("status") == "True":
+        return "Degraded"
+    if (by_type.get("Succeeded") or {}).get("status") == "True":
+        return "Succeeded"
+    if (by_type.get("Training") or {}).get("status") == "True":
+        return "Running"
+    return "Unknown"
+
+
+def _prometheus(text: str) -> dict[str, float]:
+    """Sum of each metric over its label sets, from Prometheus' text format."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value = line.rpartition(" ")
+        name = name_part.split("{", 1)[0].strip()
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if math.isfinite(number):
+            out[name] = out.get(name, 0.0) + number
+    return out
+
+
+def start_in_thread(
+    stores: tuple[str, ...] | list[str] = (),
+    *,
+    runs_dir: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    engines: dict[str, str] | None = None,
+    settings: UiSettings | None = None,
+) -> tuple[str, Callable[[], None]]:
+    """Serve the UI from a daemon thread (for `legorl run`); returns its URL and a function that stops it.
+
+    `port=0` picks a free port. `engines` maps run names to engine URLs for the fleet view."""
+    import uvicorn  # noqa: PLC0415 - the `ui` extra
+
+    if settings is None:
+        settings = UiSettings(
+            stores=tuple(stores),
+            runs_dir=runs_dir,
+            host=host,
+            port=port,
+            engines=tuple((engines or {}).items()),
+        )
+    app = UiApp(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="legorl-ui", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the UI did not start on {settings.host}:{settings.port} (port taken?)")
+        time.sleep(0.02)
+    sockets = [s for srv in server.servers for s in (srv.sockets or [])]
+    bound = sockets[0].getsockname()[1] if sockets else settings.port
+    shown = f"[{settings.host}]" if ":" in settings.host else settings.host
+    url = f"http://{shown}:{bound}/"
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+    return url, stop
