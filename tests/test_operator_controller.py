@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import re
 import shutil
 import socket
 import sys
@@ -39,6 +40,7 @@ import kopf
 import kubernetes_validate
 import pytest
 import uvicorn
+from prometheus_client import generate_latest
 
 from legorl.api.conditions import find_condition
 from legorl.api.kinds import KINDS, RLRun, SandboxPool
@@ -797,6 +799,12 @@ def test_fidelity_guard_suspends_the_run_and_a_resume_goes_on(cluster_factory: A
     cluster: Cluster = cluster_factory(scripts, spec=guard)
     mock, engine, store, wait = cluster.mock, cluster.engine, cluster.store, cluster.wait
     wait(lambda: store.committed_steps() == [1], "step 1 committed", timeout=60)
+    # The finished trials' proxies were read once for their figures, summed under the run's name.
+    assert cluster.handle is not None
+    exposition = generate_latest(cluster.handle.memo["metrics"].registry).decode()
+    assert re.search(r'legorl_proxy_request_seconds_count\{[^}]*run="coder-grpo"[^}]*\} [1-9]', exposition), [
+        line for line in exposition.splitlines() if line.startswith("legorl_proxy")
+    ][:20]
     # The trainer (played here) trains step 1 with a correlation far below the guard's floor.
     store.write_metrics(1, {"step": 1, "fidelity_pearson": 0.42})
     engine.version = "v1"

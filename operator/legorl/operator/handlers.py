@@ -138,7 +138,7 @@ def build_registry(login: LoginFn | None = None) -> kopf.OperatorRegistry:
             reconciler=_reconciler(memo),
             pods=memo["trial_pods"],
             settings=trial_settings(memo),
-            progress_metrics=metrics.runs if metrics is not None else None,
+            operator_metrics=metrics,
             tracer_provider=memo.get("tracer_provider"),
         )
         # The operator's stop as well as this daemon's: kopf may respawn a daemon for a late event

@@ -28,6 +28,7 @@ import logging
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -156,12 +157,14 @@ class RunDaemon:
         reconciler: Reconciler,
         pods: TrialPods,
         settings: TrialSettings,
-        progress_metrics: Any = None,
+        operator_metrics: Any = None,
         tracer_provider: Any = None,
     ) -> None:
         self.key = key
-        self.progress_metrics = progress_metrics
-        """`legorl.telemetry.metrics.ProgressMetrics` of the operator's /metrics, or None."""
+        self.operator_metrics = operator_metrics
+        """`legorl.operator.metrics.OperatorMetrics` of the operator's /metrics, or None."""
+        self.progress_metrics = getattr(operator_metrics, "runs", None)
+        """Its run gauges (`legorl.telemetry.metrics.ProgressMetrics`), fed with the loop's progress."""
         self.tracer_provider = tracer_provider
         """Where finished trials' spans go (`legorl.telemetry.traces`), or None: no tracing."""
         self.reconciler = reconciler
@@ -379,6 +382,14 @@ class RunDaemon:
         except (TaskError, OSError, ValueError, ImportError) as exc:  # ImportError: no s3fs / gcsfs
             raise StartProblem(f"task set {uri} cannot be read: {exc}") from exc
 
+    def _proxy_metrics_sink(self) -> Callable[[str], None] | None:
+        """Finished trials' proxy metrics, summed into the operator's /metrics under this run."""
+        proxies = getattr(self.operator_metrics, "proxies", None)
+        if proxies is None:
+            return None
+        name, namespace = self.key[2], self.namespace
+        return lambda text: proxies.add(text, namespace=namespace, run=name)
+
     def _start(
         self, run: RLRun, store: RunStore, task_set: TaskSet, pool: SandboxPool, fleet: FleetAccess
     ) -> _Running:
@@ -391,6 +402,7 @@ class RunDaemon:
             pods=self.pods,
             task_set=task_set,
             settings=self.settings,
+            on_proxy_metrics=self._proxy_metrics_sink(),
         )
         stop = threading.Event()
 

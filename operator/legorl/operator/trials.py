@@ -257,8 +257,12 @@ class KubeTrialBackend:
         task_set: TaskSet,
         settings: TrialSettings | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        on_proxy_metrics: Callable[[str], None] | None = None,
     ) -> None:
         self.run = run
+        self.on_proxy_metrics = on_proxy_metrics
+        """Gets each finished trial's proxy `GET /metrics` text once (the operator's /metrics sums them:
+        Prometheus cannot scrape a trial's proxy, whose port only the operator may reach)."""
         self.pool = pool
         self.fleet = fleet
         self.ctx = ctx
@@ -626,10 +630,26 @@ class KubeTrialBackend:
         if pod is None:
             return None
         try:
-            return self._proxy(pod, "GET", "/trajectory")
+            trajectory = self._proxy(pod, "GET", "/trajectory")
         except ProxyError as exc:
             log.warning("trial %s: %s", trial.request.trial, exc)
             return None
+        if self.on_proxy_metrics is not None:
+            self._proxy_metrics(pod, trial)
+        return trajectory
+
+    def _proxy_metrics(self, pod: Mapping[str, Any], trial: _Trial) -> None:
+        """One try at the proxy's Prometheus text: figures are nice to have, a trial never waits on them."""
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip or self.on_proxy_metrics is None:
+            return
+        host = f"[{ip}]" if ":" in ip else ip
+        try:
+            response = self._http.get(f"http://{host}:{self.settings.proxy_port}/metrics", timeout=5.0)
+            if response.status_code == 200:
+                self.on_proxy_metrics(response.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("trial %s: no proxy metrics: %s", trial.request.trial, exc)
 
     # -- adoption and cleanup ------------------------------------------------------------------------------
 
