@@ -28,7 +28,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from legorl.api.kinds import RLRun
 from legorl.api.store import RunStore
@@ -37,6 +37,9 @@ from legorl.api.trajectory import TrialRecord
 from legorl.controller.plan import TaskPlan
 from legorl.embedded.local import LocalTrialBackend
 from legorl.manifests.preflight import check_resource
+
+if TYPE_CHECKING:
+    from legorl.embedded.runner import EmbeddedRun
 
 Result = Literal["Passed", "Warning", "Failed"]
 VALIDATION_OBJECT = "validation/latest.json"
@@ -172,12 +175,12 @@ def parity_checks(record: TrialRecord, scored: Any, run: RLRun) -> list[Check]:
     return [token, routing]
 
 
-def run_canary(embedded: Any) -> CanaryReport:
+def run_canary(embedded: EmbeddedRun) -> CanaryReport:
     """The checks for `embedded` (an `EmbeddedRun`): engine, one trial, the trainer's scoring."""
     started = time.monotonic()
-    run: RLRun = embedded.run_obj
+    run = embedded.run_obj
     checks = [preflight_check(run)]
-    store, task_set, model, sandbox = embedded._prepare()
+    store, task_set, model, sandbox = embedded.prepare()
     from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415 - torch only when running
     from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
 

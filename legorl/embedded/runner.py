@@ -33,6 +33,7 @@ from typing import Any, TextIO
 from legorl.api.fleet import RolloutFleetSpec
 from legorl.api.kinds import RLRun, RolloutFleet
 from legorl.api.store import RunStore, policy_version
+from legorl.api.trajectory import TrialRecord
 from legorl.controller.backend import BackendError
 from legorl.controller.loop import Progress, RunController, RunOutcome, StoreTrainer
 from legorl.controller.plan import PlanError
@@ -305,7 +306,8 @@ class EmbeddedRun:
         except BlockingIOError:
             raise RunError(f"another `legorl run` is using {self.paths.root}") from None
 
-    def _prepare(self) -> tuple[RunStore, TaskSet, Path, LocalBackend]:
+    def prepare(self) -> tuple[RunStore, TaskSet, Path, LocalBackend]:
+        """Lock the run folder, open (or check) the store, resolve the task set and the policy, sandboxes."""
         run = self.run_obj
         spec = run.spec
         self._lock()
@@ -348,16 +350,18 @@ class EmbeddedRun:
         started = time.monotonic()
         run = self.run_obj
         spec = run.spec
-        store, task_set, model, sandbox = self._prepare()
+        store, task_set, model, sandbox = self.prepare()
         from legorl.trainer.service import TrainingService  # noqa: PLC0415 - torch only when running
         from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
 
         engine = self.start_engine(model)
         backend: LocalTrialBackend | None = None
         previous = signal.getsignal(signal.SIGINT)
-        stop_ui = self._start_ui(engine.url)
-        stop_telemetry = self._start_telemetry()
+        stop_ui: Callable[[], None] | None = None
+        stop_telemetry: Callable[[], None] | None = None
         try:
+            stop_ui = self._start_ui(engine.url)
+            stop_telemetry = self._start_telemetry()
             settings = TrainerSettings.from_run(
                 run,
                 store_uri=str(self.paths.store),
@@ -400,9 +404,9 @@ class EmbeddedRun:
             if self.trainer is not None:
                 self.trainer.stop()
             engine.close()
-            if stop_ui is not None:
-                stop_ui()
-            stop_telemetry()
+            for stop in (stop_ui, stop_telemetry):
+                if stop is not None:
+                    stop()
         self.say(summary(store, outcome, time.monotonic() - started))
         if outcome.state == "Stopped":
             self.say(f"stopped: run the same command again to resume ({self.paths.store})")
@@ -419,7 +423,7 @@ class EmbeddedRun:
 
         return sink
 
-    def _trial_spans(self, record: Any) -> None:
+    def _trial_spans(self, record: TrialRecord) -> None:
         if self._tracer is not None:
             emit_trial_spans(self._tracer, record)
 
@@ -434,7 +438,10 @@ class EmbeddedRun:
         if self.metrics_port is not None:
             registry = new_registry()
             self._metrics = ProgressMetrics(registry)
-            server = serve_metrics(registry, self.metrics_port)
+            try:
+                server = serve_metrics(registry, self.metrics_port)
+            except OSError as exc:
+                raise RunError(f"--metrics-port {self.metrics_port}: {exc}") from exc
             self.say(f"metrics: http://127.0.0.1:{server.port}/metrics")
 
         def stop() -> None:
