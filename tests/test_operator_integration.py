@@ -743,3 +743,36 @@ def test_trainer_job_template_is_never_changed_after_creation(env_factory: Any) 
     job = env.get("jobs", "coder-grpo-trainer", "batch/v1")
     assert job["spec"]["template"]["spec"]["containers"][0]["image"] == image
     env.wait_condition("rlruns", "coder-grpo", "Validated", "True", "Valid")
+
+
+def test_an_object_deleted_mid_reconcile_is_not_an_error() -> None:
+    """The cache still holds a fleet the API server has already deleted (garbage-collected with its
+    owner, the watch not yet delivered): its status patch answers 404, and the reconcile ends quietly
+    instead of failing (kopf would log an error and retry a reconcile of nothing)."""
+    import asyncio  # noqa: PLC0415
+
+    from legorl.operator.kube import Credentials, KubeClient  # noqa: PLC0415
+
+    fleet = manifests("shared-fleet-and-pool.yaml")[0]
+    with MockApi() as mock:
+        stored = mock.create(fleet)
+        mock.delete(
+            "legorl.dev/v1alpha1", "rolloutfleets", stored["metadata"]["namespace"], fleet["metadata"]["name"]
+        )
+        reconciler = make_reconciler(operator_test_settings())
+        key = ("RolloutFleet", stored["metadata"]["namespace"], fleet["metadata"]["name"])
+        reconciler.store.objects[key] = stored
+
+        async def reconcile() -> None:
+            reconciler.client_ = KubeClient(Credentials(server=mock.url))
+            try:
+                await reconciler.reconcile(key)
+            finally:
+                await reconciler.client_.close()
+
+        asyncio.run(reconcile())
+        # It did try: the children were applied and the status patch was refused with 404.
+        assert any(
+            verb == "PATCH" and path.endswith(f"/rolloutfleets/{fleet['metadata']['name']}/status")
+            for verb, path, _ in mock.request_log()
+        )

@@ -197,16 +197,19 @@ class KubeClient:
         )
         return out or {}
 
-    async def merge_patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> None:
+    async def merge_patch(
+        self, kind: str, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any]:
         """A JSON merge patch of the object itself (for the few fields of objects whose other fields
-        are immutable once created, such as a Job's `suspend` and `parallelism`)."""
-        await self._send(
+        are immutable once created, such as a Job's `suspend` and `parallelism`); the patched object."""
+        out = await self._send(
             "PATCH",
             RESOURCES[kind].path(namespace, name),
             body=patch,
             content_type="application/merge-patch+json",
             params={"fieldManager": FIELD_MANAGER},
         )
+        return out or {}
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         """Delete an object and, in the background, its dependents; absent is fine."""

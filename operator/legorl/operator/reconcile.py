@@ -231,7 +231,19 @@ class Reconciler:
         if not patch:
             return
         meta = body["metadata"]
-        await self.client.patch_status(body["kind"], meta.get("namespace", "default"), meta["name"], patch)
+        try:
+            await self.client.patch_status(
+                body["kind"], meta.get("namespace", "default"), meta["name"], patch
+            )
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            # Deleted between the cache read and this patch (e.g. garbage-collected with its owner):
+            # there is no status left to write, and the watch brings the deletion next.
+            log.debug(
+                "%s %s/%s is gone; status not written", body["kind"], meta.get("namespace"), meta["name"]
+            )
+            return
         body["status"] = apply_merge_patch(old, patch)  # what the watch will show; no second patch meanwhile
         await self._post_transitions(body, old.get("conditions") or [], status.get("conditions") or [])
 

@@ -247,33 +247,42 @@ class RunDaemon:
                 current.controller.stop()
 
     async def _suspend(self, run: RLRun, why: str, stopped: Any, stopping: asyncio.Event) -> None:
-        """Set `spec.suspend` and wait until the operator's cache shows it (a loop restarted before that
-        would run on); retried with backoff, since a pause that did not land must not be forgotten."""
+        """Set `spec.suspend` and wait until the operator's cache holds that generation of the run (a
+        loop restarted before would run on; a person may also have resumed it since, which the newer
+        generation then shows). Retried with backoff: a pause that did not land must not be forgotten."""
         client = self.reconciler.client
         name = self.key[2]
         backoff = self.settings.poll_seconds
-        patched = False
+        generation: int | None = None
         while not (stopped or stopping.is_set()):
             current = self._run()
-            if current is None or current.spec.suspend:
+            if current is None:
                 return
-            if not patched:
+            if generation is None:
+                if current.spec.suspend:
+                    return  # suspended meanwhile, by a person
                 try:
-                    await client.merge_patch("RLRun", self.namespace, name, {"spec": {"suspend": True}})
-                    patched = True
-                    log.warning("RLRun %s/%s suspended by the fidelity guard: %s", self.namespace, name, why)
-                    with contextlib.suppress(ApiError):
-                        await client.event(
-                            run.to_wire(),
-                            type_="Warning",
-                            reason=FIDELITY_REASON,
-                            message=f"suspended (fidelity.action Pause): {why}"[:1000],
-                            now=datetime.now(UTC),
-                        )
+                    patched = await client.merge_patch(
+                        "RLRun", self.namespace, name, {"spec": {"suspend": True}}
+                    )
                 except ApiError as exc:
                     log.error("RLRun %s/%s: could not suspend it: %s", self.namespace, name, exc)
-            await self._sleep(stopped, stopping, backoff)
-            backoff = min(backoff * 2, 30.0)
+                    await self._sleep(stopped, stopping, backoff)
+                    backoff = min(backoff * 2, 30.0)
+                    continue
+                generation = int((patched.get("metadata") or {}).get("generation") or 0)
+                log.warning("RLRun %s/%s suspended by the fidelity guard: %s", self.namespace, name, why)
+                with contextlib.suppress(ApiError):
+                    await client.event(
+                        run.to_wire(),
+                        type_="Warning",
+                        reason=FIDELITY_REASON,
+                        message=f"suspended (fidelity.action Pause): {why}"[:1000],
+                        now=datetime.now(UTC),
+                    )
+            elif (current.metadata.generation or 0) >= generation:
+                return
+            await self._sleep(stopped, stopping, self.settings.poll_seconds)
 
     def _run(self) -> RLRun | None:
         body = self.reconciler.store.objects.get(self.key)
