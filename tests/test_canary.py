@@ -1,5 +1,6 @@
-"""`legorl run --canary`'s verdicts from a trial record and the trainer's scoring (the whole canary,
-with vLLM, a sandboxed harness and megatron-core, runs in tests/test_embedded_run.py)."""
+"""The canary's verdicts from a trial record and the trainer's scoring (the whole canary, with vLLM, a
+sandboxed harness and megatron-core, runs in tests/test_embedded_run.py; the operator's, against the API
+mock, in tests/test_operator_controller.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from legorl.api.kinds import RLRun
 from legorl.api.store import RunStore
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import Segment, TrialRecord
-from legorl.embedded.canary import (
+from legorl.controller.canary import (
     VALIDATION_OBJECT,
     CanaryReport,
     Check,
@@ -59,9 +60,10 @@ def record(
     )
 
 
-def scored(train: list[float], behavior: list[float], replayed: bool = False) -> ScoredBatch:
+def scored(train: list[float], behavior: list[float], replayed: bool = False) -> dict[str, float]:
+    """The trainer's figures, as `ScoredBatch.fidelity()` computes them."""
     t = torch.tensor(train)
-    return ScoredBatch(t, torch.tensor(behavior), torch.full_like(t, replayed, dtype=torch.bool))
+    return ScoredBatch(t, torch.tensor(behavior), torch.full_like(t, replayed, dtype=torch.bool)).fidelity()
 
 
 def run() -> RLRun:
@@ -94,6 +96,20 @@ def test_token_parity_fails_below_the_guard_and_routing_never_passes_silently() 
     assert routing.result == "Passed"
 
 
+def test_parity_is_not_judged_across_a_weight_sync() -> None:
+    """The operator's canary is scored by the running trainer: when it moved on to another version
+    between the trial and the scoring, the figures compare two policies and prove nothing either way."""
+    behavior = [-0.1, -2.0, -0.7, -1.2]
+    same = parity_checks(record(), {**scored(behavior, behavior), "policy_version": "v0"}, run())
+    assert same[0].result == "Passed"
+    token, routing = parity_checks(record(), {**scored(behavior, behavior), "policy_version": "v3"}, run())
+    assert token.result == routing.result == "Warning"
+    assert "trainer holds v3" in token.message and "sampled by v0" in token.message
+    # Figures from JSON: NaN arrives as null, and a missing figure is no pass.
+    token, _ = parity_checks(record(), {"tokens": 3, "pearson": None}, run())
+    assert token.result == "Failed"
+
+
 def test_preflight_and_the_stored_report(tmp_path: Path) -> None:
     assert preflight_check(run()).result == "Passed"
     body = run().to_wire()
@@ -111,3 +127,7 @@ def test_preflight_and_the_stored_report(tmp_path: Path) -> None:
     write_report(store, report)
     saved = (tmp_path / VALIDATION_OBJECT).read_text()
     assert '"result": "Warning"' in saved
+    nan = CanaryReport("r", "t", 1.0, [Check("token-parity", "Failed", "x", {"pearson": float("nan")})])
+    write_report(store, nan)  # NaN is not JSON: stored as null
+    stored = store.read_validation()
+    assert stored is not None and stored["checks"][0]["figures"]["pearson"] is None

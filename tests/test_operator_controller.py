@@ -44,8 +44,10 @@ from prometheus_client import generate_latest
 
 from legorl.api.conditions import find_condition
 from legorl.api.kinds import KINDS, RLRun, SandboxPool
+from legorl.api.run import VALIDATE_ANNOTATION
 from legorl.api.store import RunStore
 from legorl.controller.backend import TrialRequest
+from legorl.operator.canary import canary_trial_id
 from legorl.operator.handlers import build_registry
 from legorl.operator.main import make_reconciler
 from legorl.operator.observe import Observed
@@ -545,7 +547,11 @@ def cluster_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     with contextlib.ExitStack() as stack:
 
-        def make(scripts: dict[str, Script], spec: dict[str, Any] | None = None) -> Cluster:
+        def make(
+            scripts: dict[str, Script],
+            spec: dict[str, Any] | None = None,
+            annotations: dict[str, str] | None = None,
+        ) -> Cluster:
             pristine = make_repo(tmp_path / "pristine")
             store_dir = tmp_path / "store"
             fleet, pool, run, _ = manifests("shared-fleet-and-pool.yaml")
@@ -562,6 +568,8 @@ def cluster_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
                     **(spec or {}),
                 }
             )
+            if annotations:
+                run["metadata"]["annotations"] = {**run["metadata"].get("annotations", {}), **annotations}
             port = free_port()
             engine = FakeEngine()
             engine.version = "v0"  # what the fleet's /weight_info reports before any sync
@@ -826,6 +834,133 @@ def test_fidelity_guard_suspends_the_run_and_a_resume_goes_on(cluster_factory: A
     wait(lambda: len(pods_of(mock, "trial")) == 2, "step 2 trial pods after the resume")
     wait(lambda: condition(mock, "Degraded")["status"] == "False", "Degraded cleared")
     assert rlrun(mock)["spec"].get("suspend") is False
+
+
+def play_trainer_scoring(store: RunStore, pearson: float) -> list[str]:
+    """The trainer Job's side of a canary (`TrainingService.serve_scoring`, tested for real in
+    test_trainer_service.py): answer each scoring request with figures of the weights held (v0)."""
+    answered = []
+    for request in store.scoring_requests():
+        (record,) = store.read_scoring_request(request)
+        tokens = sum(sum(s.loss_mask) for s in record.segments)
+        store.answer_scoring(
+            request,
+            {
+                "policy_version": "v0",
+                "tokens": float(tokens),
+                "pearson": pearson,
+                "max_abs_logprob_delta": 0.0 if pearson == 1.0 else 1.5,
+                "mean_abs_logprob_delta": 0.0 if pearson == 1.0 else 0.4,
+                "replayed_share": 1.0,
+            },
+        )
+        answered.append(request)
+    return answered
+
+
+def validation(mock: MockApi) -> dict[str, Any]:
+    return rlrun(mock).get("status", {}).get("validation") or {}
+
+
+@pytest.mark.slow
+def test_a_canary_asked_for_in_the_manifest_runs_first_and_a_failed_one_keeps_the_run_from_starting(
+    cluster_factory: Any,
+) -> None:
+    requested = "2026-12-01T10:00:00Z"
+    canary = canary_trial_id(requested)
+    scripts = {canary: Script("solve"), "s1-t0-r0": Script("solve"), "s1-t0-r1": Script("wrong")}
+    cluster: Cluster = cluster_factory(scripts, annotations={VALIDATE_ANNOTATION: requested})
+    mock, store, wait = cluster.mock, cluster.store, cluster.wait
+    # Only the canary's trial pod is launched: the loop waits for the canary.
+    pods = wait(lambda: pods_of(mock, "trial"), "the canary's trial pod")
+    assert set(pods) == {f"{RUN}-{canary}"}
+    # Its trial ends; it waits for the trainer to score it, and says so.
+    waiting = wait(
+        lambda: "waiting for the trainer" in validation(mock).get("message", "") and validation(mock),
+        "the canary waits for the trainer",
+    )
+    assert waiting["state"] == "Running" and waiting["requested"] == requested
+    training = condition(mock, "Training")
+    assert training["status"] == "False" and "a canary runs first" in training["message"]
+    # The trainer (played here) scores the trial's tokens far from what the engine sampled.
+    assert wait(lambda: play_trainer_scoring(store, pearson=0.31), "a scoring request") == [canary]
+    failed = wait(lambda: validation(mock).get("state") == "Failed" and validation(mock), "canary Failed")
+    results = {c["check"]: c["result"] for c in failed["checks"]}
+    # The example's evaluation interval outlasts this 2-step run (a preflight warning); the fake engine
+    # records no routed experts, which the routing check says rather than passing.
+    assert results == {
+        "preflight": "Warning",
+        "trial": "Passed",
+        "token-parity": "Failed",
+        "routing-parity": "Warning",
+    }
+    assert "Pearson 0.3100" in failed["message"] and failed["trial"] == canary and failed["completionTime"]
+    # Fail closed: nothing was trained yet, so the run is suspended before its first trial.
+    wait(lambda: rlrun(mock)["spec"].get("suspend") is True, "the failed canary suspended the run")
+    events = {e["reason"]: e for e in mock.objects("v1", "events", NS)}
+    assert (
+        events["ValidationFailed"]["type"] == "Warning"
+        and "token-parity" in events["ValidationFailed"]["message"]
+    )
+    wait(lambda: not pods_of(mock, "trial") and not pods_of(mock, "verify"), "the canary's pods deleted")
+    assert store.committed_steps() == [] and store.saved_trials("train", 0) == []
+    report = store.read_validation()
+    assert report is not None and report["result"] == "Failed" and report["trial"] == canary
+    # The same request is not run again; resuming starts the loop.
+    mock.patch(GV, "rlruns", NS, RUN, {"spec": {"suspend": False}})
+    wait(
+        lambda: (
+            {p["metadata"]["labels"]["legorl.dev/trial"] for p in pods_of(mock, "trial").values()}
+            == {"s1-t0-r0", "s1-t0-r1"}
+        ),
+        "step 1 pods",
+    )
+    assert validation(mock)["state"] == "Failed" and store.scoring_requests() == []
+
+
+@pytest.mark.slow
+def test_a_canary_asked_for_mid_run_hands_the_loop_over_and_it_adopts_its_trials(
+    cluster_factory: Any,
+) -> None:
+    requested = "2026-12-01T11:00:00Z"
+    canary = canary_trial_id(requested)
+    scripts = {
+        canary: Script("solve"),
+        "s1-t0-r0": Script("solve", hold=True),
+        "s1-t0-r1": Script("wrong", hold=True),
+    }
+    cluster: Cluster = cluster_factory(scripts)
+    mock, kubelet, store, wait = cluster.mock, cluster.kubelet, cluster.store, cluster.wait
+    step_one = wait(lambda: len(pods_of(mock, "trial")) == 2 and pods_of(mock, "trial"), "step 1 pods")
+    uids = {n: p["metadata"]["uid"] for n, p in step_one.items()}
+    wait(
+        lambda: all(kubelet.plays.get(n) and kubelet.plays[n].turns_done for n in step_one), "agents at work"
+    )
+    # The UI's Validate button (or kubectl annotate) while step 1's agents work.
+    mock.patch(GV, "rlruns", NS, RUN, {"metadata": {"annotations": {VALIDATE_ANNOTATION: requested}}})
+    wait(lambda: f"{RUN}-{canary}" in pods_of(mock, "trial"), "the canary's trial pod")
+    assert wait(lambda: play_trainer_scoring(store, pearson=1.0), "a scoring request") == [canary]
+    passed = wait(lambda: validation(mock).get("completionTime") and validation(mock), "canary ended")
+    results = {c["check"]: c["result"] for c in passed["checks"]}
+    assert results == {
+        "preflight": "Warning",
+        "trial": "Passed",
+        "token-parity": "Passed",
+        "routing-parity": "Warning",
+    }
+    assert passed["state"] == "Warning" and "Pearson 1.00000" in passed["checks"][2]["message"]
+    events = {e["reason"]: e for e in mock.objects("v1", "events", NS)}
+    assert "Validated" in events and events["Validated"]["type"] == "Normal"
+    # The loop was handed over, not stopped: step 1's pods are the same ones, adopted by the new loop.
+    wait(lambda: f"{RUN}-{canary}" not in pods_of(mock, "trial"), "the canary's pod deleted")
+    assert {n: p["metadata"]["uid"] for n, p in pods_of(mock, "trial").items()} == uids
+    assert rlrun(mock)["spec"].get("suspend") is not True
+    kubelet.release("s1-t0-r0")
+    kubelet.release("s1-t0-r1")
+    wait(lambda: store.committed_steps() == [1], "step 1 committed", timeout=60)
+    assert sorted(r.trial for r in store.read_batch(1).trials) == ["s1-t0-r0", "s1-t0-r1"]
+    assert condition(mock, "Training")["status"] == "True"
+    assert validation(mock)["requested"] == requested and validation(mock)["state"] == passed["state"]
 
 
 def wait_until(predicate: Any, kubelet: Kubelet, timeout: float = TIMEOUT) -> None:

@@ -7,6 +7,7 @@ routing recorded (vLLM's CPU build cannot record routing; the vLLM path is in te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -329,3 +330,36 @@ def test_checkpoints_skip_a_damaged_manifest(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / "step-000002" / "CHECKPOINT.json").write_text('{"step": 2, "sha')  # torn write
     assert [c.step for c in store.list()] == [1]
     assert torch.equal(store.load(1)["x"], torch.ones(2))
+
+
+def test_scoring_requests_are_answered_between_steps(
+    tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]
+) -> None:
+    """The operator's canary asks the running trainer to score its trial: the answer is the fidelity of
+    the weights held at that moment, tagged with their version; a request that cannot be scored gets an
+    error answer and training goes on."""
+    from legorl.trainer.service import TrainingService  # noqa: PLC0415
+
+    store = RunStore(str(tmp_path / "store"))
+    service = TrainingService(make_settings(tiny, tmp_path / "store"), store=store)
+    on_policy = batches[0][1:3]  # sampled by v0, routing recorded
+    store.request_scoring("canary-a", on_policy)
+    first = on_policy[0].segments[0]
+    out_of_vocabulary = dataclasses.replace(first, token_ids=[10**9] * len(first.token_ids))
+    broken = dataclasses.replace(on_policy[0], trial="canary-b", segments=[out_of_vocabulary])
+    store.request_scoring("canary-b", [broken])
+    assert store.scoring_requests() == ["canary-a", "canary-b"]
+    assert service.run(wait=False) == []  # nothing committed: it only serves the requests
+    assert store.scoring_requests() == []
+    answer = store.read_scoring_answer("canary-a")
+    assert answer is not None and answer["policy_version"] == "v0" and "error" not in answer
+    assert answer["pearson"] > 0.9999 and answer["replayed_share"] == 1.0 and answer["tokens"] > 4
+    failed = store.read_scoring_answer("canary-b")
+    assert failed is not None and failed["error"] and "pearson" not in failed
+    # After a step the same trial is scored by v1: the answer says so, and the figures moved.
+    commit(store, batches, range(1, 2))
+    store.request_scoring("canary-c", on_policy)
+    assert service.run(wait=False) == [1]
+    service.serve_scoring()
+    later = store.read_scoring_answer("canary-c")
+    assert later is not None and later["policy_version"] == "v1" and later["pearson"] < answer["pearson"]

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from legorl.api.store import RunStore
 from legorl.api.trajectory import TamperFinding
+from legorl.controller.canary import CanaryReport, Check, write_report
 from legorl.ui.server import CSP, UiApp
 from legorl.ui.settings import UiSettings
 from legorl.ui.synthetic import write_synthetic_store
@@ -104,6 +105,34 @@ async def test_runs_list_and_overview_of_the_recorded_run(api: httpx.AsyncClient
     assert overview["spec"]["kind"] == "RLRun"
     assert overview["batches"] and overview["evals"] and overview["conditions"]
     assert overview["published_versions"]
+    assert overview["validation"] is None  # no canary ran on the recorded run
+
+
+@pytest.mark.asyncio
+async def test_overview_shows_the_stores_last_canary(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    write_synthetic_store(root, name="canaried", steps=1, tasks_per_step=1, group_size=2, held_out_tasks=1)
+    report = CanaryReport(
+        run="canaried",
+        time="2026-12-01T09:00:00+00:00",
+        seconds=212.0,
+        checks=[
+            Check("trial", "Passed", "canary-t0-r0 completed, reward 1"),
+            Check("token-parity", "Passed", "Pearson 0.99990 over 40 tokens", {"pearson": 0.9999}),
+            Check("routing-parity", "Warning", "the engine recorded no routed experts"),
+        ],
+        trial="canary-t0-r0",
+    )
+    write_report(RunStore(str(root)), report)
+    async for api in _client(UiSettings(stores=(str(root),))):
+        overview = (await api.get("/api/runs/canaried")).json()
+        canary = overview["validation"]
+        assert (canary["source"], canary["state"], canary["trial"]) == ("store", "Warning", "canary-t0-r0")
+        assert [(c["check"], c["result"]) for c in canary["checks"]] == [
+            ("trial", "Passed"),
+            ("token-parity", "Passed"),
+            ("routing-parity", "Warning"),
+        ]
 
 
 @pytest.mark.asyncio

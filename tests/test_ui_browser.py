@@ -23,6 +23,7 @@ import pytest
 
 from legorl.api.store import RunStore
 from legorl.api.trajectory import TamperFinding
+from legorl.controller.canary import CanaryReport, Check, write_report
 from legorl.ui.server import start_in_thread
 from legorl.ui.synthetic import write_synthetic_store
 
@@ -59,6 +60,20 @@ def _plant(store_dir: Path) -> None:
         store.write_metrics(
             step, {**figures, "fidelity_pearson": 0.93, "fidelity_max_abs_logprob_delta": 2.6}
         )
+    # A canary whose token parity failed (what `legorl run --canary` or the operator writes).
+    write_report(
+        store,
+        CanaryReport(
+            run=PLANTED,
+            time="2026-12-01T09:00:00+00:00",
+            seconds=180.0,
+            checks=[
+                Check("trial", "Passed", "canary-t0-r0 completed, reward 0"),
+                Check("token-parity", "Failed", "Pearson 0.4100 over 52 tokens is below 0.99"),
+            ],
+            trial="canary-t0-r0",
+        ),
+    )
     record = store.read_batch(store.committed_steps()[0]).trials[0]
     store.save_trial(
         replace(
@@ -185,6 +200,15 @@ def test_every_run_view_renders_with_data(ui: str, tab: Page, view: tuple[str, s
     assert page.locator(selector).count() >= count, f"{name}: fewer than {count} of {selector}"
     assert text in page.inner_text(f"[data-view={name}]")
     tab.shot(name)
+
+
+def test_overview_shows_the_last_canary(ui: str, tab: Page) -> None:
+    page = tab.open(ui, f"#/run/{PLANTED}")
+    card = page.locator("[data-validation=Failed]")
+    assert card.count() == 1, _text(page, "[data-view=overview]")
+    assert "Pearson 0.4100" in card.inner_text() and "token-parity" in card.inner_text()
+    clean = tab.open(ui, f"#/run/{RUN}")
+    assert "legorl run FILE --canary" in _text(clean, "[data-view=overview]")
 
 
 def test_trial_filters_and_paging(ui: str, tab: Page) -> None:

@@ -141,6 +141,22 @@ def cluster(repo: Path, store: Path, engine: str) -> Iterator[MockApi]:
                 ],
                 "metrics": {"rewardMean": 0.5, "heldOutSolveRate": 0.4, "fidelityCorrelation": 0.999},
                 "trials": {"total": 12, "running": 2},
+                "validation": {
+                    "requested": "2026-12-01T01:00:00Z",
+                    "state": "Failed",
+                    "message": "token-parity Failed: Pearson 0.3100 over 25 tokens",
+                    "startTime": "2026-12-01T01:00:02Z",
+                    "completionTime": "2026-12-01T01:04:00Z",
+                    "trial": "canary-585c87acd3",
+                    "checks": [
+                        {"check": "trial", "result": "Passed", "message": "completed, reward 1"},
+                        {
+                            "check": "token-parity",
+                            "result": "Failed",
+                            "message": "Pearson 0.3100 over 25 tokens",
+                        },
+                    ],
+                },
             },
         )
         api.create(
@@ -302,6 +318,13 @@ async def test_cluster_runs_overview_fleet_and_sandboxes(cluster: MockApi) -> No
         )
         overview = (await api.get("/api/runs/default~tiny-local")).json()
         assert [p["check"] for p in overview["preflight"]] == ["ImagesExist", "GpuCapacity"]
+        canary = overview["validation"]  # status.validation, the newest word on the run's canary
+        assert (canary["source"], canary["state"], canary["time"]) == (
+            "cluster",
+            "Failed",
+            "2026-12-01T01:04:00Z",
+        )
+        assert [c["result"] for c in canary["checks"]] == ["Passed", "Failed"]
         assert overview["events"][0]["reason"] == "FidelityLow"
         assert overview["spec"]["spec"]["harness"]["kind"] == "MiniSweAgent"
         assert overview["batches"], "the store named by status.storeUri is read"

@@ -538,6 +538,42 @@ class PreflightResult(ApiModel):
     """What was found and what to do."""
 
 
+VALIDATE_ANNOTATION = "legorl.dev/validate-requested"
+"""Set (to any new value, by convention the time) to ask the operator for a canary of the run; the
+result lands in `status.validation` with the same value in `requested`."""
+
+
+class ValidationCheck(ApiModel):
+    """One check of a canary."""
+
+    check: Annotated[str, Field(max_length=MAX_SHORT)]
+    """`preflight`, `trial`, `token-parity` or `routing-parity`."""
+    result: Literal["Passed", "Warning", "Failed"]
+    """Outcome."""
+    message: Text = ""
+    """What was found and what to do."""
+
+
+class ValidationStatus(ApiModel):
+    """The last canary of the run: preflight, one trial end to end, token and routing parity of the
+    trainer's scoring of that trial against what the engine sampled."""
+
+    requested: Annotated[str, Field(max_length=MAX_SHORT)]
+    """The value of the `legorl.dev/validate-requested` annotation this canary answers."""
+    state: Literal["Pending", "Running", "Passed", "Warning", "Failed"]
+    """`Pending` (waiting to start), `Running`, or the worst result of its checks."""
+    message: Text = ""
+    """What it waits for, what it does now, or the failed checks in one line."""
+    start_time: Annotated[str, Field(max_length=MAX_SHORT)] | None = None
+    """When the canary started (RFC 3339)."""
+    completion_time: Annotated[str, Field(max_length=MAX_SHORT)] | None = None
+    """When it ended (RFC 3339)."""
+    trial: Annotated[str, Field(max_length=MAX_SHORT)] | None = None
+    """The canary's trial (its trajectory is in the run store under `validation/`)."""
+    checks: Annotated[list[ValidationCheck], Field(max_length=16)] = Field(default_factory=list)
+    """Each check with its result."""
+
+
 class CheckpointRef(ApiModel):
     """A saved checkpoint."""
 
@@ -582,3 +618,5 @@ class RLRunStatus(ApiModel):
     """The SandboxPool in use (referenced or owned)."""
     last_checkpoint: CheckpointRef | None = None
     """Most recent checkpoint."""
+    validation: ValidationStatus | None = None
+    """The last canary (asked for with the `legorl.dev/validate-requested` annotation)."""

@@ -16,6 +16,9 @@ under the store's root:
     evals/step-000005.json                held-out solve rate of policy v5, with its interval
     controller/state.json                 the run controller's progress (for status and the UI)
     run.json                              the RLRun the store belongs to
+    validation/latest.json                the last canary's report (`legorl run --canary`, the operator)
+    validation/score/<id>.parquet         a canary's trial, for the running trainer to score
+    validation/score/<id>.json            the trainer's answer: its fidelity figures on that trial
 
 Object stores have no rename, so every commit is "data objects first, then one small JSON
 marker": a single PUT is atomic, and readers only look at what a marker names. On a local
@@ -37,7 +40,7 @@ import os
 import posixpath
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -573,6 +576,54 @@ class RunStore:
             if match:
                 steps.add(int(match.group(1)))
         return sorted(steps)
+
+    # --- the canary ----------------------------------------------------------------------------
+    def write_validation(self, report: Mapping[str, Any]) -> None:
+        """Replace the last canary's report (`legorl.controller.canary.CanaryReport.to_json`)."""
+        self.write_object("validation/latest.json", _json_bytes(dict(report)))
+
+    def read_validation(self) -> dict[str, Any] | None:
+        """The last canary's report, or None before any canary ran."""
+        return self._get_json("validation/latest.json")
+
+    # --- scoring requests: a canary asks the running trainer to score its trial ---------------------
+    def request_scoring(self, request: str, records: Sequence[TrialRecord]) -> None:
+        """Ask the trainer to score `records` with the weights it holds (answered by `answer_scoring`)."""
+        if not _TRIAL_RE.fullmatch(request):
+            raise StoreError(f"scoring request id {request!r} cannot name an object in the store")
+        try:
+            table = trials_to_table(list(records))
+        except TrajectoryError as exc:
+            raise StoreError(f"scoring request {request} breaks the trajectory contract: {exc}") from exc
+        sink = io.BytesIO()
+        pq.write_table(table, sink, compression="zstd")
+        self.write_object(f"validation/score/{request}.parquet", sink.getvalue())
+
+    def scoring_requests(self) -> list[str]:
+        """Ids of scoring requests without an answer yet, sorted."""
+        asked = {
+            posixpath.basename(p).removesuffix(".parquet") for p in self._glob("validation/score/*.parquet")
+        }
+        answered = {
+            posixpath.basename(p).removesuffix(".json") for p in self._glob("validation/score/*.json")
+        }
+        return sorted(asked - answered)
+
+    def read_scoring_request(self, request: str) -> list[TrialRecord]:
+        data = self._get(f"validation/score/{request}.parquet")
+        if data is None:
+            raise StoreError(f"no scoring request {request!r} in {self.uri}")
+        try:
+            return trials_from_table(pq.read_table(io.BytesIO(data)))
+        except (pa.ArrowInvalid, SchemaVersionError) as exc:
+            raise StoreError(f"scoring request {request} is unreadable: {exc}") from exc
+
+    def answer_scoring(self, request: str, answer: Mapping[str, Any]) -> None:
+        """The trainer's answer to `request` (its figures, or an `error`); written once."""
+        self.write_object(f"validation/score/{request}.json", _json_bytes(dict(answer)))
+
+    def read_scoring_answer(self, request: str) -> dict[str, Any] | None:
+        return self._get_json(f"validation/score/{request}.json")
 
     # --- evaluations and the controller's progress ------------------------------------------------
     def write_eval(self, step: int, summary: Mapping[str, Any]) -> None:

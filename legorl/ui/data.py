@@ -281,6 +281,24 @@ class StoreData:
     def run_spec(self) -> dict[str, Any] | None:
         return self._json("run.json")
 
+    def validation(self) -> dict[str, Any] | None:
+        """The last canary's report (`legorl run --canary`, or the operator's), as the overview shows it."""
+        report = self._json("validation/latest.json")
+        if not report:
+            return None
+        return {
+            "source": "store",
+            "state": report.get("result"),
+            "time": report.get("time"),
+            "seconds": report.get("seconds"),
+            "trial": report.get("trial"),
+            "checks": [
+                {k: c.get(k) for k in ("check", "result", "message")}
+                for c in report.get("checks") or []
+                if isinstance(c, dict)
+            ],
+        }
+
     def name(self) -> str:
         spec = self.run_spec() or {}
         name = (spec.get("metadata") or {}).get("name")
@@ -617,6 +635,7 @@ class StoreData:
             "evals": self.evals(),
             "published_versions": self.published_versions(),
             "conditions": self.local_conditions(),
+            "validation": self.validation(),
         }
 
     def curves(self) -> dict[str, Any]:

@@ -39,7 +39,6 @@ TRIAL_LABEL = "legorl.dev/trial"
 OWNER_LABEL = "legorl.dev/owner"
 COMPONENT_LABEL = "legorl.dev/component"
 POLICY_VERSION_ANNOTATION = "legorl.dev/policy-version"
-VALIDATE_ANNOTATION = "legorl.dev/validate-requested"
 
 _SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 

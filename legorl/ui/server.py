@@ -37,6 +37,7 @@ from urllib.parse import parse_qs, unquote
 import httpx
 
 from legorl.api import __version__
+from legorl.api.run import VALIDATE_ANNOTATION
 from legorl.api.store import StoreError
 
 from . import diag
@@ -46,7 +47,6 @@ from .kube import (
     POLICY_VERSION_ANNOTATION,
     RUN_LABEL,
     TRIAL_LABEL,
-    VALIDATE_ANNOTATION,
     KubeError,
     KubeSource,
     pod_stage,
@@ -464,6 +464,17 @@ class UiApp:
             out["conditions"] = status.get("conditions") or []
             out["preflight"] = status.get("preflight") or []
             out["status"] = status
+            validation = status.get("validation")
+            if isinstance(validation, dict):  # the RLRun's status is the newest word on its canary
+                out["validation"] = {
+                    "source": "cluster",
+                    "requested": validation.get("requested"),
+                    "state": validation.get("state"),
+                    "message": validation.get("message"),
+                    "time": validation.get("completionTime") or validation.get("startTime"),
+                    "trial": validation.get("trial"),
+                    "checks": validation.get("checks") or [],
+                }
             out["events"] = await self._events(entry)
         else:
             out.setdefault("preflight", [])

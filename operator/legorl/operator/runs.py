@@ -14,6 +14,10 @@ place. The loop stops when:
 - the run's spec changes (a new generation): the loop hands over in the same way and starts again with
   the new spec.
 
+A `legorl.dev/validate-requested` annotation not yet answered in `status.validation` runs the run's
+canary (`legorl.operator.canary`) first: before the loop starts, or by handing a running loop over and
+restarting it afterwards. A canary that fails before the run finished any trial suspends the run.
+
 The run store must be reachable from the operator: `s3://` / `gs://` with the operator's own
 credentials, `file://`, or `pvc://claim/path` with the claim mounted at `<pvcRoot>/<claim>`. Task sets
 are read from the same places, or from a ConfigMap (`configmap://name/key`, JSONL).
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import tempfile
@@ -41,11 +46,12 @@ from pydantic import ValidationError
 from legorl.api.conditions import RunConditionType as T
 from legorl.api.conditions import find_condition
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
-from legorl.api.run import RunMetrics
+from legorl.api.run import VALIDATE_ANNOTATION, RunMetrics, ValidationStatus
 from legorl.api.store import RunStore, StoreError
 from legorl.api.trajectory import TrialRecord
 from legorl.controller.loop import FIDELITY_REASON, Progress, RunController, RunOutcome
 from legorl.controller.plan import PlanError
+from legorl.operator.canary import Stopped, run_canary, summary, validation_status
 from legorl.operator.kube import ApiError
 from legorl.operator.reconcile import Reconciler, TransientError
 from legorl.operator.render.run import fleet_name, fleet_url, pool_name, store_uri
@@ -173,12 +179,24 @@ class RunDaemon:
         self.loop = asyncio.get_running_loop()
         self.namespace = key[1]
         self._current: _Running | None = None
+        self._validation: ValidationStatus | None = None
+        """The canary this daemon last reported (sent with every report, so that a status patch racing
+        the cache never loses it)."""
 
     # -- reporting (on the event loop) ------------------------------------------------------------------
 
     def report(self, report: ControllerReport) -> None:
+        if report.validation is None and self._validation is not None:
+            report = dataclasses.replace(report, validation=self._validation)
         self.reconciler.controllers[self.key] = report
         self.reconciler.store.mark(self.key)
+
+    def _set_validation(self, validation: ValidationStatus) -> None:
+        if validation == self._validation:
+            return
+        self._validation = validation
+        last = self.reconciler.controllers.get(self.key) or ControllerReport()
+        self.report(dataclasses.replace(last, validation=validation))
 
     def _report_threadsafe(self, report: ControllerReport) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed under a stopping controller
@@ -193,11 +211,13 @@ class RunDaemon:
         try:
             while not (stopped or stopping.is_set()):
                 run = self._run()
-                if ended or run is None or self._blocked(run) is not None:
+                if run is None or self._waits(run, ended=ended):
                     await self._sleep(stopped, stopping, self.settings.poll_seconds)
                     continue
                 try:
-                    running = self._start(run, *await self._prepare(run))
+                    running = await self._begin(run, stopped, stopping)
+                    if running is None:
+                        continue  # a canary ran instead
                 except StartProblem as exc:
                     log.warning("RLRun %s/%s: %s", self.namespace, self.key[2], exc)
                     self.report(ControllerReport(problem=str(exc)))
@@ -226,7 +246,7 @@ class RunDaemon:
                 if outcome.reason == FIDELITY_REASON:
                     # fidelity.action Pause: suspend the run (as a person would) so that nothing
                     # restarts it until someone looks; resuming re-arms the guard.
-                    await self._suspend(run, outcome.message, stopped, stopping)
+                    await self._suspend(run, outcome.message, FIDELITY_REASON, stopped, stopping)
                 if outcome.state != "Stopped":
                     log.info(
                         "RLRun %s/%s ended: %s (%s)",
@@ -246,7 +266,9 @@ class RunDaemon:
                 current.backend.detach()
                 current.controller.stop()
 
-    async def _suspend(self, run: RLRun, why: str, stopped: Any, stopping: asyncio.Event) -> None:
+    async def _suspend(
+        self, run: RLRun, why: str, reason: str, stopped: Any, stopping: asyncio.Event
+    ) -> None:
         """Set `spec.suspend` and wait until the operator's cache holds that generation of the run (a
         loop restarted before would run on; a person may also have resumed it since, which the newer
         generation then shows). Retried with backoff: a pause that did not land must not be forgotten."""
@@ -271,18 +293,170 @@ class RunDaemon:
                     backoff = min(backoff * 2, 30.0)
                     continue
                 generation = int((patched.get("metadata") or {}).get("generation") or 0)
-                log.warning("RLRun %s/%s suspended by the fidelity guard: %s", self.namespace, name, why)
+                log.warning("RLRun %s/%s suspended (%s): %s", self.namespace, name, reason, why)
                 with contextlib.suppress(ApiError):
                     await client.event(
                         run.to_wire(),
                         type_="Warning",
-                        reason=FIDELITY_REASON,
-                        message=f"suspended (fidelity.action Pause): {why}"[:1000],
+                        reason=reason,
+                        message=f"suspended: {why}"[:1000],
                         now=datetime.now(UTC),
                     )
             elif (current.metadata.generation or 0) >= generation:
                 return
             await self._sleep(stopped, stopping, self.settings.poll_seconds)
+
+    def _waits(self, run: RLRun, *, ended: bool) -> bool:
+        """Whether the loop must not start now (a canary asked for meanwhile says why it waits)."""
+        blocked = "the run has ended" if ended else self._blocked(run)
+        if blocked is not None:
+            self._validation_waits(run, blocked)
+        return blocked is not None
+
+    async def _begin(self, run: RLRun, stopped: Any, stopping: asyncio.Event) -> _Running | None:
+        """Start the loop, or run the canary asked for first (None)."""
+        prepared = await self._prepare(run)
+        requested = self._validation_request(run)
+        if requested is not None:
+            await self._validate(run, requested, prepared, stopped, stopping)
+            return None
+        return self._start(run, *prepared)
+
+    # -- the canary (legorl.dev/validate-requested) ------------------------------------------------------
+
+    def _validation_request(self, run: RLRun) -> str | None:
+        """The annotation's value when it asks for a canary not yet answered (None: nothing to do). A
+        canary cut off by an operator restart (status says Pending or Running) is run again."""
+        requested = (run.metadata.annotations or {}).get(VALIDATE_ANNOTATION)
+        if not requested:
+            return None
+        done = self._validation or (run.status.validation if run.status else None)
+        if done is not None and done.requested == requested[:63] and done.state not in ("Pending", "Running"):
+            return None
+        return requested
+
+    def _validation_waits(self, run: RLRun, blocked: str) -> None:
+        """Status for a canary asked for while the loop may not run: it waits, or it cannot run at all."""
+        requested = self._validation_request(run)
+        if requested is None or blocked == "the run is being deleted":
+            return
+        if blocked == "the run has ended":
+            self._set_validation(
+                validation_status(
+                    requested,
+                    "Failed",
+                    "the run has ended: a canary checks a run before or while it trains, with its fleet, "
+                    "pool and trainer; validate a new run",
+                    started=None,
+                )
+            )
+            return
+        self._set_validation(validation_status(requested, "Pending", f"waiting: {blocked}", started=None))
+
+    async def _validate(
+        self,
+        run: RLRun,
+        requested: str,
+        prepared: tuple[RunStore, TaskSet, SandboxPool, FleetAccess],
+        stopped: Any,
+        stopping: asyncio.Event,
+    ) -> None:
+        """Run the canary in a thread; stop it when the run is suspended, deleted or changed, or the
+        operator stops. Its end goes to status.validation, the store and an Event."""
+        store, task_set, pool, fleet = prepared
+        name = self.key[2]
+        started = datetime.now(UTC)
+        self._set_validation(validation_status(requested, "Running", "starting", started=started))
+        log.info("RLRun %s/%s: canary %s starting", self.namespace, name, requested)
+        stop = threading.Event()
+
+        def progress(message: str) -> None:
+            update = validation_status(requested, "Running", message, started=started)
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self._set_validation, update)
+
+        backend = self._backend(run, pool, fleet, task_set)
+        deadlines = pool.spec.deadlines
+
+        def target() -> Any:
+            try:
+                return run_canary(
+                    run,
+                    requested=requested,
+                    store=store,
+                    backend=backend,
+                    task_set=task_set,
+                    stop=stop,
+                    progress=progress,
+                    # Image pull and scheduling, then the pool's own stage deadlines.
+                    trial_budget_seconds=600.0
+                    + deadlines.setup_seconds
+                    + deadlines.agent_seconds
+                    + deadlines.verify_seconds,
+                    score_seconds=self.settings.canary_score_seconds,
+                    poll_seconds=min(self.settings.poll_seconds, 1.0),
+                )
+            finally:
+                backend.close()  # deletes the canary's pods (never the run's: it adopted none)
+
+        task = asyncio.ensure_future(asyncio.to_thread(target))
+        generation = run.metadata.generation or 0
+        while not task.done():
+            await self._sleep(stopped, stopping, self.settings.poll_seconds)
+            current = self._run()
+            if (
+                stopped
+                or stopping.is_set()
+                or current is None
+                or self._ended(current) is not None
+                or (current.metadata.generation or 0) != generation
+            ):
+                stop.set()
+        try:
+            report = task.result()
+        except Stopped:
+            log.info(
+                "RLRun %s/%s: canary %s stopped; it runs again when it can", self.namespace, name, requested
+            )
+            self._set_validation(
+                validation_status(requested, "Pending", "stopped; it runs again", started=None)
+            )
+            return
+        except Exception as exc:
+            log.exception("RLRun %s/%s: canary %s failed", self.namespace, name, requested)
+            message = f"the canary could not run: {type(exc).__name__}: {exc}"
+            self._set_validation(
+                validation_status(requested, "Failed", message, started=started, report=None)
+            )
+            return
+        verdict = summary(report)
+        self._set_validation(
+            validation_status(requested, report.result, verdict, started=started, report=report)
+        )
+        log.info("RLRun %s/%s: canary %s %s: %s", self.namespace, name, requested, report.result, verdict)
+        with contextlib.suppress(ApiError):
+            await self.reconciler.client.event(
+                run.to_wire(),
+                type_="Warning" if report.result == "Failed" else "Normal",
+                reason="ValidationFailed" if report.result == "Failed" else "Validated",
+                message=f"canary {report.result}: {verdict}"[:1000],
+                now=datetime.now(UTC),
+            )
+        fresh = self._run()
+        progressed = (
+            fresh is not None
+            and fresh.status is not None
+            and (fresh.status.step or fresh.status.trials.total)
+        )
+        if report.result == "Failed" and fresh is not None and not progressed:
+            # Fail closed: a run that has not finished one trial yet does not start on a broken setup.
+            await self._suspend(
+                fresh,
+                f"the canary failed before the first trial ({verdict})",
+                "ValidationFailed",
+                stopped,
+                stopping,
+            )
 
     def _run(self) -> RLRun | None:
         body = self.reconciler.store.objects.get(self.key)
@@ -399,10 +573,10 @@ class RunDaemon:
         name, namespace = self.key[2], self.namespace
         return lambda text: proxies.add(text, namespace=namespace, run=name)
 
-    def _start(
-        self, run: RLRun, store: RunStore, task_set: TaskSet, pool: SandboxPool, fleet: FleetAccess
-    ) -> _Running:
-        backend = KubeTrialBackend(
+    def _backend(
+        self, run: RLRun, pool: SandboxPool, fleet: FleetAccess, task_set: TaskSet
+    ) -> KubeTrialBackend:
+        return KubeTrialBackend(
             run=run,
             pool=pool,
             fleet=fleet,
@@ -413,6 +587,11 @@ class RunDaemon:
             settings=self.settings,
             on_proxy_metrics=self._proxy_metrics_sink(),
         )
+
+    def _start(
+        self, run: RLRun, store: RunStore, task_set: TaskSet, pool: SandboxPool, fleet: FleetAccess
+    ) -> _Running:
+        backend = self._backend(run, pool, fleet, task_set)
         stop = threading.Event()
 
         def on_progress(progress: Progress) -> None:
@@ -491,6 +670,8 @@ class RunDaemon:
             return "clean up"
         if (run.metadata.generation or 0) != running.generation:
             return "hand over"
+        if self._validation_request(run) is not None:
+            return "hand over"  # the canary runs now; the loop restarts after it and adopts its pods
         return None
 
 

@@ -53,6 +53,7 @@ import httpx
 from legorl.api.kinds import RLRun, SandboxPool
 from legorl.api.trajectory import TrialRecord
 from legorl.controller.backend import BackendError, TrialRequest
+from legorl.controller.canary import CANARY_TRIAL_PREFIX
 from legorl.controller.records import build_record, reconcile
 from legorl.operator.kube import ApiError, KubeClient
 from legorl.operator.render.common import LOOKAHEAD_ANNOTATION, RenderContext, label_value
@@ -103,6 +104,9 @@ class TrialSettings:
     task-set URIs (`<pvc_root>/<claim>/<path>`)."""
     poll_seconds: float = 1.0
     """How often the per-run daemon re-reads the run while it waits or runs."""
+    canary_score_seconds: float = 1800.0
+    """How long a canary waits for the run's trainer to score its trial (the trainer answers between
+    steps, once it has loaded the policy)."""
 
 
 # --- the watch-fed index of trial and verify pods ------------------------------------------------------
@@ -328,6 +332,13 @@ class KubeTrialBackend:
             if trial_id in self._trials:
                 continue
             names = TrialNames.of(self.run.metadata.name, trial_id)
+            if trial_id.startswith(CANARY_TRIAL_PREFIX):
+                # A canary cut off by an operator restart: never a trial of the run; the canary reruns.
+                log.info(
+                    "removing the interrupted canary trial %s of run %s", trial_id, self.run.metadata.name
+                )
+                self._delete_all(names)
+                continue
             pod, verifier = found.get(TRIAL), found.get(VERIFY)
             request = self._request_of(pod or verifier or {})
             if pod is None or request is None:

@@ -10,6 +10,7 @@ had published); it never publishes a version twice.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import threading
 import time
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from legorl.api.store import RunStore, policy_version
+from legorl.api.store import RunStore, StoreError, policy_version
 from legorl.trainer.checkpoint import CheckpointStore
 from legorl.trainer.settings import SettingsError, TrainerSettings
 from legorl.trainer.telemetry import TrainerTelemetry
@@ -214,6 +215,7 @@ class TrainingService:
         while not self.stop.is_set() and (limit is None or self.trainer.step < limit):
             step = self.next_step()
             if step not in self.store.committed_steps():
+                self.serve_scoring()
                 if not wait:
                     break
                 self.stop.wait(poll_seconds)
@@ -221,6 +223,34 @@ class TrainingService:
             self.run_step(step)
             done.append(step)
         return done
+
+    def serve_scoring(self) -> list[str]:
+        """Answer the canary's scoring requests (`RunStore.request_scoring`) with the weights held now:
+        `ScoredBatch.fidelity()` of the request's trials and the policy version those weights are. Served
+        between steps, so the answer is always about one version. A request that cannot be scored gets an
+        `error` answer; training goes on either way."""
+        try:
+            pending = self.store.scoring_requests()
+        except (StoreError, OSError) as exc:
+            log.warning("could not list scoring requests: %s", exc)
+            return []
+        answered = []
+        for request in pending:
+            version = policy_version(self.trainer.step)
+            answer: dict[str, Any] = {"policy_version": version}
+            started = time.perf_counter()
+            try:
+                records = self.store.read_scoring_request(request)
+                figures = self.trainer.score_trials(records).fidelity()
+                answer.update({k: (v if math.isfinite(v) else None) for k, v in figures.items()})
+            except Exception as exc:
+                log.exception("scoring request %s failed", request)
+                answer["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            answer["seconds"] = round(time.perf_counter() - started, 3)
+            self.store.answer_scoring(request, answer)
+            log.info("answered scoring request %s with %s: %s", request, version, answer)
+            answered.append(request)
+        return answered
 
 
 def _flat(figures: dict[str, Any]) -> dict[str, Any]:

@@ -73,6 +73,42 @@ function conditionTimeline(conditions) {
   );
 }
 
+function resultBadge(result) {
+  const kind = { Passed: 'ok', Warning: 'warn', Failed: 'bad' }[result] || 'muted';
+  return badge(result || '–', kind);
+}
+
+function validationCard(run, v) {
+  const how =
+    run.source === 'cluster'
+      ? 'no canary yet: the Validate action (or `kubectl annotate rlrun NAME legorl.dev/validate-requested=$(date -u +%FT%TZ)`) runs one'
+      : 'no canary yet: `legorl run FILE --canary` runs one';
+  if (!v) return card('Validation (canary)', h('p', { class: 'muted' }, how));
+  return card(
+    'Validation (canary)',
+    h(
+      'div',
+      { dataset: { validation: v.state || '' } },
+      kv([
+        ['Result', resultBadge(v.state)],
+        v.requested ? ['Requested', v.requested] : null,
+        ['When', when(v.time)],
+        v.trial ? ['Trial', v.trial] : null,
+        v.message ? ['Message', v.message] : null,
+      ]),
+      table(
+        [
+          { label: 'Check', value: (r) => r.check },
+          { label: 'Result', value: (r) => resultBadge(r.result) },
+          { label: 'Message', value: (r) => r.message || '' },
+        ],
+        v.checks || [],
+        { empty: v.state === 'Pending' || v.state === 'Running' ? 'checks appear when it ends' : 'no checks recorded' },
+      ),
+    ),
+  );
+}
+
 export async function overviewView(ctx, runId) {
   const data = await get(runPath(runId));
   const run = data.run;
@@ -119,6 +155,7 @@ export async function overviewView(ctx, runId) {
         { empty: run.source === 'cluster' ? 'no preflight results reported yet' : 'preflight results are reported on RLRun status (cluster runs); `legorl validate FILE` runs them locally' },
       ),
     ),
+    validationCard(run, data.validation),
     card(
       'Training steps',
       table(

@@ -13,7 +13,14 @@ from legorl.api.conditions import RunConditionType as T
 from legorl.api.conditions import RunReason as R
 from legorl.api.conditions import find_condition, rfc3339, rlrun_phase
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
-from legorl.api.run import PreflightResult, RLRunStatus, RunMetrics, TrialCount, TrialSummary
+from legorl.api.run import (
+    PreflightResult,
+    RLRunStatus,
+    RunMetrics,
+    TrialCount,
+    TrialSummary,
+    ValidationStatus,
+)
 from legorl.api.termination import INFRA_REASONS, TerminationReason
 from legorl.manifests.problems import Problem
 from legorl.operator.observe import ChildView, Observed
@@ -61,6 +68,8 @@ class ControllerReport:
     """Why the loop cannot start (task set or store unreadable); retried."""
     degraded: tuple[str, str] | None = None
     """(reason, message) while the loop's fidelity guard has fired."""
+    validation: ValidationStatus | None = None
+    """The last canary this daemon ran or is running (None: status keeps what it had)."""
 
 
 def is_terminal(conditions: Sequence[Condition]) -> bool:
@@ -236,6 +245,7 @@ def compute_run_status(
             "store_uri": store_uri,
             "fleet_name": fleet_name(run),
             "pool_name": pool_name(run),
+            "validation": (controller.validation if controller is not None else None) or previous.validation,
         }
     )
 
@@ -357,6 +367,16 @@ def _set_training(
         why = "it starts within seconds"
         if controller is not None and controller.problem:
             why = f"it cannot start: {controller.problem}"
+        elif (
+            controller is not None
+            and controller.validation is not None
+            and controller.validation.state
+            in (
+                "Pending",
+                "Running",
+            )
+        ):
+            why = f"a canary runs first, see status.validation: {controller.validation.message}"
         elif controller is not None and controller.outcome is not None:
             why = f"the last one stopped: {controller.outcome[2]}"
         conds.set(

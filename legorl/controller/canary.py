@@ -1,0 +1,199 @@
+"""A canary: a few minutes that say whether a long run would be worth starting (shared by `legorl run
+--canary` and the operator's `legorl.dev/validate-requested`).
+
+The checks, in order, each `Passed`, `Warning` or `Failed` with a message a person can act on:
+
+- **preflight**: the manifest's own checks (`legorl validate`'s preflight: settings that cannot work
+  together, dtype mismatches that ruin fidelity, ...); an invalid manifest never gets this far.
+- **trial**: one trial end to end on the first training task, through the same engine, proxy, sandbox
+  stages, harness and verifier the run uses. It fails on any infrastructure termination (DESIGN §5) or a
+  missing reward; a `completed` trial with reward 0 passes (the policy may fail a task, the machinery may
+  not).
+- **token-parity**: the trainer scores the exact tokens the engine sampled in that trial (prompts as the
+  engine saw them, completions, behaviour log-probs recorded by the proxy). It fails when the Pearson
+  correlation of rollout vs. training token log-probabilities is below `fidelity.minCorrelation` — the
+  signal the fidelity guard stops a run for, caught before the run.
+- **routing-parity**: with routed experts captured by the engine and routing replay on, every scored
+  token must be routed as the engine routed it. Without captured routing (vLLM's CPU build, or
+  `routedExpertsCapture: Disabled`) this is a `Warning` that says so, never a silent pass.
+
+The report goes to the run store (`validation/latest.json`) and, on a cluster, to `status.validation`.
+The canary's trial is never trained on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from legorl.api.kinds import RLRun
+from legorl.api.store import RunStore
+from legorl.api.termination import INFRA_REASONS
+from legorl.api.trajectory import TrialRecord
+from legorl.manifests.preflight import check_resource
+
+Result = Literal["Passed", "Warning", "Failed"]
+VALIDATION_OBJECT = "validation/latest.json"
+CANARY_TRIAL_PREFIX = "canary-"
+"""A canary's trial ids start with this; a run's own trials never do (`s<step>-...`, `e<step>-...`)."""
+
+
+@dataclass
+class Check:
+    check: str
+    result: Result
+    message: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CanaryReport:
+    run: str
+    time: str
+    seconds: float
+    checks: list[Check]
+    trial: str | None = None
+
+    @property
+    def result(self) -> Result:
+        results = {c.result for c in self.checks}
+        return "Failed" if "Failed" in results else "Warning" if "Warning" in results else "Passed"
+
+    def to_json(self) -> dict[str, Any]:
+        """As JSON values (NaN figures become null)."""
+        body = {**asdict(self), "result": self.result}
+        body["checks"] = [{**c, "figures": finite(c["figures"])} for c in body["checks"]]
+        return body
+
+    def text(self) -> str:
+        width = max(len(c.check) for c in self.checks)
+        lines = [f"canary of run {self.run}: {self.result} ({self.seconds:.0f} s)"]
+        lines += [f"  {c.check:<{width}}  {c.result:<7}  {c.message}" for c in self.checks]
+        return "\n".join(lines)
+
+
+def preflight_check(run: RLRun) -> Check:
+    problems = check_resource(run)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        return Check("preflight", "Failed", "; ".join(f"{p.path}: {p.message}" for p in errors))
+    if problems:
+        return Check("preflight", "Warning", "; ".join(f"{p.path}: {p.message}" for p in problems))
+    return Check("preflight", "Passed", "no problem found")
+
+
+def trial_check(record: TrialRecord | None, waited: float) -> Check:
+    if record is None:
+        return Check("trial", "Failed", f"no result after {waited:.0f} s (see the run's work/logs)")
+    figures = {
+        "termination_reason": record.termination_reason.value,
+        "reward": record.reward,
+        "turns": record.num_turns,
+        "stage_seconds": dict(record.stage_seconds),
+    }
+    if record.termination_reason in INFRA_REASONS:
+        why = f": {record.error}" if record.error else ""
+        return Check(
+            "trial",
+            "Failed",
+            f"{record.trial} ended {record.termination_reason.value}{why}",
+            figures,
+        )
+    if record.reward is None:
+        return Check(
+            "trial", "Failed", f"{record.trial} has no reward: the verifier did not score it", figures
+        )
+    if not record.segments:
+        return Check("trial", "Failed", f"{record.trial} recorded no tokens: nothing to train on", figures)
+    return Check(
+        "trial",
+        "Passed",
+        f"{record.trial} {record.termination_reason.value}, reward {record.reward:g}, "
+        f"{record.num_turns} turn(s), {sum(record.stage_seconds.values()):.0f} s",
+        figures,
+    )
+
+
+def parity_checks(record: TrialRecord, stats: Mapping[str, Any], run: RLRun) -> list[Check]:
+    """Token and routing parity from the trainer's scoring of `record`: `stats` is `ScoredBatch.fidelity()`
+    (tokens, pearson, max/mean |Δ log-prob|, replayed_share), with the `policy_version` the trainer held
+    when it scored, where known."""
+    floor = float(run.spec.fidelity.min_correlation)
+    held = stats.get("policy_version")
+    sampled = sorted({*record.policy_versions, *(v for s in record.segments for v in s.policy_versions)})
+    if held is not None and sampled and sampled != [str(held)]:
+        why = (
+            f"the trainer holds {held}, the trial was sampled by {', '.join(sampled)}: "
+            "the two cannot be compared (a weight sync happened in between); validate again"
+        )
+        return [Check("token-parity", "Warning", why), Check("routing-parity", "Warning", why)]
+    tokens = int(stats.get("tokens") or 0)
+    pearson = _float(stats.get("pearson"))
+    figures = {
+        "tokens": tokens,
+        "pearson": pearson,
+        "max_abs_logprob_delta": _float(stats.get("max_abs_logprob_delta")),
+        "mean_abs_logprob_delta": _float(stats.get("mean_abs_logprob_delta")),
+    }
+    if tokens < 2:
+        token = Check("token-parity", "Failed", f"only {tokens} sampled token(s) to compare", figures)
+    elif not pearson >= floor:
+        token = Check(
+            "token-parity",
+            "Failed",
+            f"Pearson {pearson:.4f} over {tokens} tokens is below fidelity.minCorrelation {floor}: the "
+            "trainer does not score what the engine sampled (dtype, checkpoint or chat template mismatch?)",
+            figures,
+        )
+    else:
+        token = Check(
+            "token-parity",
+            "Passed",
+            f"Pearson {pearson:.5f} over {tokens} tokens, max |Δ log-prob| "
+            f"{figures['max_abs_logprob_delta']:.2e}",
+            figures,
+        )
+    routed = [s for s in record.segments if s.routed_experts is not None]
+    share = _float(stats.get("replayed_share"), 0.0)
+    if not routed:
+        routing = Check(
+            "routing-parity",
+            "Warning",
+            "the engine recorded no routed experts (vLLM's CPU build, or routedExpertsCapture Disabled): "
+            "routing replay cannot be checked here",
+        )
+    elif share < 1.0:
+        routing = Check(
+            "routing-parity",
+            "Failed",
+            f"only {share:.1%} of the scored tokens were routed as the engine routed them "
+            "(trainer.routingReplay?)",
+            {"replayed_share": share},
+        )
+    else:
+        routing = Check(
+            "routing-parity",
+            "Passed",
+            "every scored token replayed the engine's routing",
+            {"replayed_share": share},
+        )
+    return [token, routing]
+
+
+def _float(value: Any, default: float = float("nan")) -> float:
+    """A figure from JSON (None stands for NaN there) as a float."""
+    try:
+        return default if value is None else float(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def write_report(store: RunStore, report: CanaryReport) -> None:
+    store.write_validation(report.to_json())
+
+
+def finite(figures: Mapping[str, Any]) -> dict[str, Any]:
+    """`figures` with NaN and infinities as None (JSON has no such numbers)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in figures.items()}
