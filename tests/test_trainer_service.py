@@ -363,3 +363,77 @@ def test_scoring_requests_are_answered_between_steps(
     service.serve_scoring()
     later = store.read_scoring_answer("canary-c")
     assert later is not None and later["policy_version"] == "v1" and later["pearson"] < answer["pearson"]
+
+
+def test_per_token_training_logprobs_are_stored_for_the_trained_segments(
+    tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]
+) -> None:
+    """What the trajectory viewer colours by (training − rollout log-prob): every trained token's
+    log-prob under the weights the step started from, aligned to the segment; nothing for dropped
+    trials and nothing where no token was trained."""
+    from legorl.trainer.service import TrainingService  # noqa: PLC0415
+
+    store = RunStore(str(tmp_path / "store"))
+    commit(store, batches, range(1, 3))
+    # Two mini-batches: the second one's "old" log-probs come from the pre-update pass, not the live one.
+    service = TrainingService(make_settings(tiny, tmp_path / "store", mini_batches=2), store=store)
+    assert service.run(wait=False) == [1, 2]
+    assert store.read_token_logprobs(3, "s3-t1") is None  # a step never trained
+    dropped = batches[0][0]  # the sandbox_error trial: filtered, never trained on
+    assert store.read_token_logprobs(1, dropped.trial) == {}
+    for step in (1, 2):
+        deltas = []
+        for trial in batches[step - 1][1:]:
+            stored = store.read_token_logprobs(step, trial.trial)
+            assert stored is not None and set(stored) == {s.index for s in trial.segments}
+            for seg in trial.segments:
+                values = stored[seg.index]
+                assert len(values) == len(seg.token_ids)
+                assert [v is not None for v in values] == [bool(m) for m in seg.loss_mask]
+                deltas += [
+                    abs(v - b)
+                    for v, b, m in zip(values, seg.behavior_logprobs, seg.loss_mask, strict=True)
+                    if m and v is not None
+                ]
+        # Step 1 trains the policy that sampled the batch: the trainer's probabilities are the sampler's.
+        # Step 2 trains v1 on trials v0 sampled (the batches were all sampled up front): they differ.
+        if step == 1:
+            assert max(deltas) < 1e-3, max(deltas)
+        else:
+            assert max(deltas) > 1e-3
+
+
+def test_mixed_routed_and_unrouted_segments_keep_their_own_tokens(
+    tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]
+) -> None:
+    """With replay on and only some segments routed, routed and plain segments are packed apart; each
+    micro-batch row must still map back to its own segment (per-token values, on-policy flags)."""
+    from legorl.trainer.service import TrainingService  # noqa: PLC0415
+
+    mixed = [
+        t
+        if i % 2
+        else dataclasses.replace(
+            t,
+            segments=[
+                dataclasses.replace(s, routed_experts=None, routed_experts_shape=None) for s in t.segments
+            ],
+        )
+        for i, t in enumerate(batches[0])
+    ]
+    store = RunStore(str(tmp_path / "store"))
+    store.commit_batch(1, mixed, policy_version="v0")
+    service = TrainingService(make_settings(tiny, tmp_path / "store", routing_replay="Auto"), store=store)
+    assert service.run(wait=False, max_steps=1) == [1]
+    trained = 0
+    for trial in mixed[1:]:
+        stored = store.read_token_logprobs(1, trial.trial)
+        assert stored is not None
+        for seg in trial.segments:
+            values = stored[seg.index]
+            assert len(values) == len(seg.token_ids), trial.trial
+            assert [v is not None for v in values] == [bool(m) for m in seg.loss_mask], trial.trial
+            trained += 1
+    assert trained == len(mixed) - 1
+    (metrics,) = store.read_metrics()
+    assert 0 < metrics["replayed_token_share"] < 1

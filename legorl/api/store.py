@@ -9,6 +9,7 @@ under the store's root:
     weights/v7/...                        the policy's weights after step 7 (safetensors)
     weights/v7/PUBLISHED.json             written last: the version exists once this does
     metrics/trainer/step-000007.json      the trainer's figures of step 7
+    metrics/tokens/step-000007.parquet    its training log-prob of every trained token (trial, segment)
     trainer/state.json                    what a restarted trainer resumes from
     trials/train/step-000007/<trial>.parquet   each finished trial, saved as it ends (the
                                           controller's journal: a restart re-runs none of them)
@@ -677,6 +678,38 @@ class RunStore:
                 raise StoreError(f"{path} is not valid JSON ({exc}); the store is damaged") from exc
             records.append(obj)
         return sorted(records, key=lambda r: int(r["step"]))
+
+    def write_token_logprobs(self, step: int, rows: Mapping[tuple[str, int], Sequence[float | None]]) -> None:
+        """The trainer's log-prob of every token it trained on in `step`, by (trial, segment index), aligned
+        to the segment's tokens (None where a token was not trained on); replaces an earlier write."""
+        keys = sorted(rows)
+        table = pa.table(
+            {
+                "trial": pa.array([k[0] for k in keys], pa.string()),
+                "segment": pa.array([k[1] for k in keys], pa.int32()),
+                "logprobs": pa.array([list(rows[k]) for k in keys], pa.list_(pa.float32())),
+            }
+        )
+        sink = io.BytesIO()
+        pq.write_table(table, sink, compression="zstd")
+        self.write_object(f"metrics/tokens/{_step_dir(step)}.parquet", sink.getvalue())
+
+    def read_token_logprobs(self, step: int, trial: str) -> dict[int, list[float | None]] | None:
+        """`trial`'s training log-probs of `step` by segment index; None when the trainer wrote none for
+        that step (an older trainer, a skipped step), {} when the trial was not trained on (filtered)."""
+        data = self._get(f"metrics/tokens/{_step_dir(step)}.parquet")
+        if data is None:
+            return None
+        try:
+            table = pq.read_table(io.BytesIO(data), filters=[("trial", "=", trial)])
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise StoreError(f"training log-probs of step {step} are unreadable: {exc}") from exc
+        return {
+            int(seg): list(values)
+            for seg, values in zip(
+                table.column("segment").to_pylist(), table.column("logprobs").to_pylist(), strict=True
+            )
+        }
 
     def write_trainer_state(self, state: Mapping[str, Any]) -> None:
         """Replace the trainer's resume pointer (last completed step, policy version, checkpoint)."""

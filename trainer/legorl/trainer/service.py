@@ -156,6 +156,9 @@ class TrainingService:
             raise ValueError(f"step {step} out of order: the trainer is at step {self.trainer.step}")
         batch = self.store.read_batch(step)
         figures = self.trainer.train_step(batch.trials, step=step)
+        if self.trainer.token_logprobs:
+            # Per-token training log-probs for the UI's trajectory viewer (rollout vs. training).
+            self.store.write_token_logprobs(step, self.trainer.token_logprobs)
         version = policy_version(step)
         outcome = StepOutcome(step=step, version=version, figures=figures)
         outcome.published = self._publish(version)

@@ -13,6 +13,7 @@ publishes what it returns.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -110,6 +111,11 @@ class PolicyTrainer:
         )
         self.step = 0
         """Last completed step; the policy it produced is version `step`."""
+        self.token_logprobs: dict[tuple[str, int], list[float | None]] = {}
+        """The last step's training log-prob of every trained token, by (trial, segment index): the
+        probabilities of the weights before the step's first update (the ones its importance ratios and
+        fidelity figures compare with the engine's), aligned to the segment's tokens (None where a token
+        was not trained on)."""
 
     def _build(self, source: Path, *, routing_replay: bool) -> torch.nn.Module:
         net = model.build_model(
@@ -185,6 +191,7 @@ class PolicyTrainer:
         s = self.settings
         step = self.step + 1 if step is None else step
         started = time.perf_counter()
+        self.token_logprobs = {}
         filtered = data.filter_trials(
             trials,
             drop_reasons=set(s.drop_reasons),
@@ -208,36 +215,13 @@ class PolicyTrainer:
             "learning_rate": self.learning_rate(step),
             "reward_mean_all": float(np.mean(rewards_all)) if rewards_all else math.nan,
         }
-        minis: list[list[data.MicroBatch]] = []
-        if kept:
-            rewards = torch.tensor([float(t.reward or 0.0) for t in kept])
-            advantages = loss.group_advantages(rewards, [t.group_id for t in kept], mode=s.advantage)
-            figures["reward_mean"] = float(rewards.mean())
-            figures["advantage_abs_mean"] = float(advantages.abs().mean())
-            by_trial = {t.trial: float(a) for t, a in zip(kept, advantages, strict=True)}
-            sequences = data.sequences_from_trials(kept, by_trial)
-            if s.routing_replay == "Enabled":
-                # Enabled means every trained token is routed as the engine routed it: segments the
-                # engine returned no routing for leave the loss (counted) instead of training unreplayed.
-                unrouted = [q for q in sequences if q.routed_experts is None]
-                if unrouted:
-                    log.error(
-                        "routingReplay Enabled, but %d of %d segments carry no routed experts (is the "
-                        "fleet's routedExpertsCapture on?): left out of the loss",
-                        len(unrouted),
-                        len(sequences),
-                    )
-                    sequences = [q for q in sequences if q.routed_experts is not None]
-                figures["dropped_unrouted_segments"] = len(unrouted)
-            # Mini-batches: contiguous slices of the batch's sequences, one optimizer step each.
-            size = math.ceil(len(sequences) / s.mini_batches) if sequences else 1
-            minis = [self._pack(sequences[i : i + size]) for i in range(0, len(sequences), size)]
-            # Fidelity compares the engine's and the trainer's probabilities of one policy: only
-            # segments sampled entirely by the version being trained (v<step-1>) count. Stale ones
-            # (async mode) differ by the updates in between, which is staleness, not infidelity.
-            current = policy_version(step - 1)
-            same = [q.policy_versions == (current,) for q in sequences]
-            on_policy = [same[i : i + size] for i in range(0, len(sequences), size)]
+        mini_sequences = self._sequences(kept, figures, step) if kept else []
+        minis = [self._pack(seqs) for seqs in mini_sequences]
+        # Fidelity compares the engine's and the trainer's probabilities of one policy: only segments
+        # sampled entirely by the version being trained (v<step-1>) count. Stale ones (async mode)
+        # differ by the updates in between, which is staleness, not infidelity.
+        current = policy_version(step - 1)
+        on_policy = [[q.policy_versions == (current,) for q in seqs] for seqs in mini_sequences]
         micro_batches = [m for mini in minis for m in mini]
         if not any(m.num_loss_tokens for m in micro_batches):
             figures["skipped"] = "no trials left after filtering" if not kept else "no sampled tokens"
@@ -256,7 +240,9 @@ class PolicyTrainer:
         for index, mini in enumerate(minis):
             old = olds[start : start + len(mini)] if olds is not None else None
             start += len(mini)
+            captured = len(acc.old)
             self._accumulate_gradients(mini, acc, old, on_policy[index])
+            self.token_logprobs.update(_per_token(mini, acc.old[captured:], mini_sequences[index]))
             grad_norm = self._optimizer_step()
             norms.append(grad_norm)
             if not math.isfinite(grad_norm):
@@ -273,6 +259,35 @@ class PolicyTrainer:
         )
         self.step = step
         return figures
+
+    def _sequences(
+        self, kept: Sequence[TrialRecord], figures: dict[str, Any], step: int
+    ) -> list[list[data.TrainSequence]]:
+        """The kept trials' segments with their group advantages, as mini-batches (contiguous slices of
+        the batch, one optimizer step each); the reward and advantage figures go into `figures`."""
+        s = self.settings
+        rewards = torch.tensor([float(t.reward or 0.0) for t in kept])
+        advantages = loss.group_advantages(rewards, [t.group_id for t in kept], mode=s.advantage)
+        figures["reward_mean"] = float(rewards.mean())
+        figures["advantage_abs_mean"] = float(advantages.abs().mean())
+        by_trial = {t.trial: float(a) for t, a in zip(kept, advantages, strict=True)}
+        sequences = data.sequences_from_trials(kept, by_trial)
+        if s.routing_replay == "Enabled":
+            # Enabled means every trained token is routed as the engine routed it: segments the
+            # engine returned no routing for leave the loss (counted) instead of training unreplayed.
+            unrouted = [q for q in sequences if q.routed_experts is None]
+            if unrouted:
+                log.error(
+                    "routingReplay Enabled, but %d of %d segments carry no routed experts (is the "
+                    "fleet's routedExpertsCapture on?): left out of the loss (step %d)",
+                    len(unrouted),
+                    len(sequences),
+                    step,
+                )
+                sequences = [q for q in sequences if q.routed_experts is not None]
+            figures["dropped_unrouted_segments"] = len(unrouted)
+        size = math.ceil(len(sequences) / s.mini_batches) if sequences else 1
+        return [sequences[i : i + size] for i in range(0, len(sequences), size)]
 
     def _optimizer_step(self) -> float:
         """Clip, step (through the fp32 masters when the model is not fp32), clear; the grad norm.
@@ -366,6 +381,7 @@ class PolicyTrainer:
             if on_policy is not None:
                 rows = torch.tensor([on_policy[int(i)] for i in micro.seq_index], dtype=torch.bool)
                 same = keep & rows[:, None]
+            acc.old.append(old_logp.detach().float().cpu())
             acc.train.append(old_logp.float().cpu()[same])
             acc.behavior.append(micro.behavior_logprobs[same])
             acc.replayed.append(covered[keep])
@@ -373,13 +389,19 @@ class PolicyTrainer:
             acc.tokens_through += int(micro.lengths.sum())
 
     def _pack(self, sequences: Sequence[data.TrainSequence]) -> list[data.MicroBatch]:
-        """Micro-batches; with replay on, sequences without recorded routing never share a replayed one."""
+        """Micro-batches; with replay on, sequences without recorded routing never share a replayed one.
+        Every micro-batch's `seq_index` indexes `sequences` (not the routed or plain share of it)."""
         budget = self.settings.max_tokens_per_micro_batch
         if not self.replay_enabled:
             return data.pack_micro_batches(list(sequences), budget)
-        routed = [q for q in sequences if q.routed_experts is not None]
-        plain = [q for q in sequences if q.routed_experts is None]
-        return data.pack_micro_batches(routed, budget) + data.pack_micro_batches(plain, budget)
+        routed = [i for i, q in enumerate(sequences) if q.routed_experts is not None]
+        plain = [i for i, q in enumerate(sequences) if q.routed_experts is None]
+        out = []
+        for share in (routed, plain):
+            for micro in data.pack_micro_batches([sequences[i] for i in share], budget):
+                index = torch.tensor([share[int(i)] for i in micro.seq_index], dtype=torch.long)
+                out.append(dataclasses.replace(micro, seq_index=index))
+        return out
 
     # -- weights and state -----------------------------------------------------------------------------
 
@@ -454,6 +476,8 @@ class _Accumulator:
     behavior: list[torch.Tensor] = field(default_factory=list)
     replayed: list[torch.Tensor] = field(default_factory=list)
     weights: list[torch.Tensor] = field(default_factory=list)
+    old: list[torch.Tensor] = field(default_factory=list)
+    """Per micro-batch [B, S]: the log-probs before the step's first update (padding included)."""
 
     def figures(self) -> dict[str, Any]:
         train, behavior = torch.cat(self.train), torch.cat(self.behavior)
@@ -474,3 +498,23 @@ class _Accumulator:
             "replayed_token_share": float(replayed.float().mean()) if replayed.numel() else 0.0,
             "loss_tokens": self.loss_tokens,
         }
+
+
+def _per_token(
+    micro_batches: Sequence[data.MicroBatch],
+    logps: Sequence[torch.Tensor],
+    sequences: Sequence[data.TrainSequence],
+) -> dict[tuple[str, int], list[float | None]]:
+    """Per-micro-batch [B, S] log-probs back onto their sequences' tokens: row r, position p predicted
+    token p+1 of sequence `seq_index[r]`; only trained tokens get a value."""
+    out: dict[tuple[str, int], list[float | None]] = {}
+    for micro, logp in zip(micro_batches, logps, strict=True):
+        for row, index in enumerate(micro.seq_index.tolist()):
+            seq = sequences[int(index)]
+            n = int(micro.lengths[row])
+            values = logp[row, :n].tolist()
+            mask = micro.loss_mask[row, :n].tolist()
+            tokens: list[float | None] = [None]  # token 0 is never predicted
+            tokens += [float(v) if m else None for v, m in zip(values, mask, strict=True)]
+            out[(seq.trial_id, seq.segment_index)] = tokens
+    return out
