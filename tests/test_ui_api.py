@@ -241,6 +241,31 @@ async def test_trajectory_shows_tokens_masks_logprobs_and_tool_calls(api: httpx.
 
 
 @pytest.mark.asyncio
+async def test_trajectory_carries_the_trainers_log_probs_of_trained_tokens(api: httpx.AsyncClient) -> None:
+    store = RunStore(str(FIXTURE))
+    batch = store.read_batch(1).trials
+    trained = {t for t in (r.trial for r in batch) if store.read_token_logprobs(1, t)}
+    assert trained, "the recorded run trained step 1 on some of its trials"
+    trial = sorted(trained)[0]
+    data = (await api.get(f"/api/runs/{RUN}/trials/{trial}")).json()
+    segment = data["segments"][0]
+    assert segment["training_logprobs"]["policy_version"] == "v0"
+    parts = [p for turn in segment["turns"] for p in turn["parts"]]
+    train = [v for p in parts for v in p["train"]]
+    mask = [m for p in parts for m in p["mask"]]
+    assert [v is not None for v in train] == [bool(m) for m in mask]
+    behaviour = [lp for p in parts for lp in p["logprobs"]]
+    # The run trained v0 on what v0 sampled (sync mode): vLLM's and megatron's probabilities agree.
+    deltas = [abs(t - b) for t, b in zip(train, behaviour, strict=True) if t is not None]
+    assert deltas and max(deltas) < 1e-3, max(deltas)  # 1e-5 measured (float32 on CPU)
+    assert "v0" in data["training_logprobs_note"]
+    held_out = (await api.get(f"/api/runs/{RUN}/trials", params={"split": "validation"})).json()["items"][0]
+    other = (await api.get(f"/api/runs/{RUN}/trials/{held_out['trial']}")).json()
+    assert other["segments"][0]["training_logprobs"] is None
+    assert "never trained on" in other["training_logprobs_note"]
+
+
+@pytest.mark.asyncio
 async def test_fleet_and_sandboxes_say_what_is_not_available_locally(api: httpx.AsyncClient) -> None:
     fleet = (await api.get(f"/api/runs/{RUN}/fleet")).json()
     assert fleet["available"] is False and "not available locally" in fleet["note"]

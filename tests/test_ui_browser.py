@@ -242,8 +242,33 @@ def test_trajectory_viewer_shows_tokens_and_masks(ui: str, tab: Page) -> None:
     tab.shot("trajectory")
     page.select_option("select[name=mode]", "logprob")
     assert sampled.first.evaluate("e => e.style.backgroundColor") != mask_colour or sampled.count() > 1
-    assert page.locator("option[value=delta]").is_disabled(), "the store keeps no training log-probs"
     tab.shot("trajectory-logprob")
+
+
+def test_trajectory_viewer_colours_training_minus_rollout(ui: str, tab: Page) -> None:
+    items = _api(ui, f"api/runs/{RUN}/trials", split="train", limit=500)["items"]
+    trained = [
+        r["trial"]
+        for r in items
+        if any(s["training_logprobs"] for s in _api(ui, f"api/runs/{RUN}/trials/{r['trial']}")["segments"])
+    ]
+    assert trained, "the recorded run trained on some of its trials"
+    page = tab.open(ui, f"#/run/{RUN}/trial/{trained[0]}")
+    assert not page.locator("option[value=delta]").is_disabled()
+    page.select_option("select[name=mode]", "delta")
+    sampled = page.locator(".tok.s")
+    assert sampled.count() > 0
+    assert sampled.first.evaluate("e => e.style.backgroundColor"), (
+        "trained tokens are coloured by the difference"
+    )
+    sampled.first.hover()
+    assert "training log-prob" in page.inner_text(".inspector")
+    assert "v0" in page.inner_text("[data-view=trajectory]"), "the note names the weights that scored it"
+    tab.shot("trajectory-delta")
+    held_out = _api(ui, f"api/runs/{RUN}/trials", split="validation", limit=1)["items"][0]["trial"]
+    page = tab.open(ui, f"#/run/{RUN}/trial/{held_out}")
+    assert page.locator("option[value=delta]").is_disabled(), "held-out trials are never trained on"
+    assert "never trained on" in page.inner_text("[data-view=trajectory]")
 
 
 def test_untrusted_text_stays_text(ui: str, tab: Page) -> None:

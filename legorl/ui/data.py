@@ -846,6 +846,7 @@ class StoreData:
         row = self.trial_record(trial)
         summary = _summary_row(row)
         tok = self.token_text()
+        trained, train_note = self._training_logprobs(row)
         segments = []
         total = 0
         truncated = False
@@ -860,6 +861,8 @@ class StoreData:
             logprobs = [float(x) for x in list(seg["behavior_logprobs"])[:n]]
             text = tok.pieces(ids) if tok is not None else None
             experts = _routing(seg.get("routed_experts"), seg.get("routed_experts_shape"), n)
+            train = trained.get(int(seg["index"])) if trained else None
+            train = train[:n] if train is not None and len(train) >= n else None
             segments.append(
                 {
                     "index": seg["index"],
@@ -871,11 +874,20 @@ class StoreData:
                         text=text,
                         experts=experts,
                         turn_indices=list(seg["turn_indices"]),
+                        train=train,
                     ),
                     "tokens": n,
                     "sampled": sum(mask),
                     "routing": None if experts is None else {"layers": experts[1], "top_k": experts[2]},
-                    "training_logprobs": None,
+                    "training_logprobs": (
+                        None
+                        if train is None
+                        else {
+                            "step": row["step"],
+                            "policy_version": f"v{int(row['step']) - 1}",
+                            "tokens": sum(v is not None for v in train),
+                        }
+                    ),
                 }
             )
             if truncated:
@@ -885,11 +897,29 @@ class StoreData:
             "tokenizer": tok.source if tok is not None else None,
             "segments": segments,
             "truncated": truncated,
-            "training_logprobs_note": (
-                "the run store keeps no per-token training log-probs; the trainer's fidelity figures "
-                "(curves) summarise rollout-vs-training agreement per step"
-            ),
+            "training_logprobs_note": train_note,
         }
+
+    def _training_logprobs(self, row: Mapping[str, Any]) -> tuple[dict[int, list[float | None]], str]:
+        """The trainer's per-token log-probs of a training trial (by segment), and a note on why there are
+        none when there are none."""
+        if row.get("split") != "train":
+            return {}, "held-out trials are never trained on: there are no training log-probs to compare"
+        step = int(row["step"])
+        try:
+            stored = self.store.read_token_logprobs(step, str(row["trial"]))
+        except StoreError as exc:
+            return {}, f"the training log-probs of step {step} are unreadable: {exc}"
+        if stored is None:
+            return {}, (
+                f"the trainer recorded no per-token log-probs for step {step} (not trained yet, skipped, or "
+                "a trainer before they were recorded); the curves' fidelity figures summarise the step"
+            )
+        if not stored:
+            return {}, f"this trial was not trained on in step {step} (the filter dropped it or its group)"
+        return stored, (
+            f"training log-probs: the weights step {step} started from (v{step - 1}), scored by the trainer"
+        )
 
 
 def _mean(values: list[float]) -> float | None:
@@ -920,6 +950,7 @@ def _turns(
     text: list[str] | None,
     experts: tuple[list[list[list[int]]], int, int] | None,
     turn_indices: list[int],
+    train: list[float | None] | None = None,
 ) -> list[dict[str, Any]]:
     """Split a segment into turns: each is the context the model was shown (mask 0) and its sampled
     completion (mask 1)."""
@@ -942,6 +973,7 @@ def _turns(
             "mask": mask[a:b],
             "logprobs": logprobs[a:b],
             "experts": experts[0][a:b] if experts is not None else None,
+            "train": train[a:b] if train is not None else None,
         }
 
     for m, a, b in runs:

@@ -293,7 +293,7 @@ export async function trajectoryView(ctx, runId, trialId) {
         h('label', null, 'Colour tokens by ', modeSelect),
         h('span', { class: 'legend' }, h('span', null, h('i', { class: 'key-s' }), 'sampled'), h('span', null, h('i', { class: 'key-c' }), 'context')),
       ),
-      hasTrain ? null : note(data.training_logprobs_note, 'muted'),
+      data.training_logprobs_note ? note(data.training_logprobs_note, 'muted') : null,
       data.truncated ? note('very long trajectory: only the first 200,000 tokens are shown', 'warn') : null,
       h('div', { class: 'traj' }, body, inspector),
     ),
