@@ -31,6 +31,7 @@ EVERYTHING = [
     "metrics.serviceMonitor.labels.release=kube-prometheus-stack",
     "metrics.dashboard.enabled=true",
     "tracing.otlpEndpoint=http://otel-collector.observability:4318",
+    "tracing.trialCollectorPeer.podSelector.matchLabels.app=otel-collector",
 ]
 
 
@@ -124,6 +125,27 @@ def test_tracing_environment(helm: str) -> None:
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4318"
     assert env["OTEL_TRACES_SAMPLER"] == "traceidratio"
     assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.25"
+
+
+def test_trial_proxies_export_only_with_a_collector_peer(helm: str) -> None:
+    peer = (
+        "tracing.trialCollectorPeer.namespaceSelector.matchLabels."
+        "kubernetes\\.io/metadata\\.name=observability"
+    )
+    env = {
+        e["name"]: e.get("value")
+        for e in operator_container(render(helm, ["tracing.otlpEndpoint=http://collector:4318", peer]))["env"]
+    }
+    assert json.loads(env["LEGORL_TRIAL_TRACING_PEER"]) == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}
+    }
+    plain = {
+        e["name"]
+        for e in operator_container(render(helm, ["tracing.otlpEndpoint=http://collector:4318"]))["env"]
+    }
+    assert "LEGORL_TRIAL_TRACING_PEER" not in plain
+    alone = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--set", peer)
+    assert alone.returncode != 0 and "needs tracing.otlpEndpoint" in alone.stderr
 
 
 @pytest.mark.parametrize("k8s_version", ["1.30", "1.33"])

@@ -21,11 +21,12 @@ from legorl.api.run import Harness
 from legorl.manifests.generated import to_yaml
 from legorl.manifests.load import Document
 from legorl.manifests.validate import validate_document
-from legorl.operator.render.common import HASH_ANNOTATION, RenderContext, label_value, owner_key
+from legorl.operator.render.common import HASH_ANNOTATION, RenderContext, TrialTracing, label_value, owner_key
 from legorl.operator.render.fleet import RenderError, render_fleet, vllm_args
 from legorl.operator.render.pool import PROXY_UID, TrialContext, render_pool, trial_pod, verify_pod
 from legorl.operator.render.run import render_run
 from legorl.operator.render.tree import PLACEHOLDER_UID, render_all
+from legorl.operator.settings import OperatorSettings, SettingsError, from_environment
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
@@ -267,6 +268,63 @@ def test_model_sources_map_to_engine_arguments() -> None:
         "template"
     ]["spec"]["containers"][0]["args"]
     assert args[:3] == ["s3://bucket/qwen", "--load-format", "runai_streamer"]
+
+
+def test_traced_trial_proxies_export_to_the_collector_and_only_they_may_reach_it() -> None:
+    (_, pool, run, _) = load(REPO / "examples/shared-fleet-and-pool.yaml")
+    assert isinstance(pool, SandboxPool) and isinstance(run, RLRun)
+    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}}
+    tracing = TrialTracing(
+        endpoint="http://otel-collector.observability.svc:4318",
+        peer=peer,
+        sampler="parentbased_traceidratio",
+        sampler_arg="0.1",
+    )
+    trial = TrialContext(
+        run_name="coder-grpo",
+        trial_id="t-0001",
+        task_image="ghcr.io/example/astropy-12907:1",
+        harness=Harness(kind="ClaudeCode"),
+        fleet_url="http://coder-fleet-engine.default.svc:8000",
+    )
+    pod = trial_pod(stored(pool), trial, RenderContext(trial_tracing=tracing))
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    containers = {c["name"]: c for c in [*pod["spec"]["initContainers"], *pod["spec"]["containers"]]}
+    env = {e["name"]: e["value"] for e in containers["proxy"]["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability.svc:4318"
+    assert (env["OTEL_TRACES_SAMPLER"], env["OTEL_TRACES_SAMPLER_ARG"]) == ("parentbased_traceidratio", "0.1")
+    assert not [e for e in containers["agent"].get("env", []) if e["name"].startswith("OTEL_")]
+
+    # The run's trial egress policy admits the collector on the endpoint's port; untraced, it does not.
+    def trial_egress(ctx: RenderContext) -> list[dict[str, Any]]:
+        (policy,) = [
+            o for o in render_run(stored(run), ctx, 8000) if o["metadata"]["name"] == "coder-grpo-trials"
+        ]
+        kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+        return list(policy["spec"]["egress"])
+
+    traced, plain = trial_egress(RenderContext(trial_tracing=tracing)), trial_egress(RenderContext())
+    assert traced[:-1] == plain and len(plain) == 1
+    assert traced[-1] == {"to": [peer], "ports": [{"protocol": "TCP", "port": 4318}]}
+    assert TrialTracing(endpoint="https://otlp.example.com", peer=peer).port == 443
+
+
+def test_trial_tracing_settings_from_the_environment() -> None:
+    peer = '{"podSelector": {"matchLabels": {"app": "otel-collector"}}}'
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "LEGORL_TRIAL_TRACING_PEER": peer}
+    tracing = from_environment(OperatorSettings(), env).trial_tracing
+    assert tracing is not None and tracing.endpoint == "http://collector:4318" and tracing.port == 4318
+    assert (
+        from_environment(OperatorSettings(), {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}).trial_tracing
+        is None
+    )
+    for bad, message in (
+        ({"LEGORL_TRIAL_TRACING_PEER": peer}, "OTEL_EXPORTER_OTLP_ENDPOINT is not"),
+        ({**env, "LEGORL_TRIAL_TRACING_PEER": "{nope"}, "not JSON"),
+        ({**env, "LEGORL_TRIAL_TRACING_PEER": '{"ports": [4318]}'}, "one NetworkPolicy peer"),
+    ):
+        with pytest.raises(SettingsError, match=message):
+            from_environment(OperatorSettings(), bad)
 
 
 def test_trial_pod_is_hardened_and_reaches_only_its_proxy() -> None:

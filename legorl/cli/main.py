@@ -114,19 +114,23 @@ def _cmd_operator(args: argparse.Namespace) -> int:
         print(f"the operator needs its extra: pip install 'legorl[operator]' ({exc})", file=sys.stderr)
         return EXIT_USAGE
     from legorl.operator.logs import configure  # noqa: PLC0415
-    from legorl.operator.settings import OperatorSettings, from_environment  # noqa: PLC0415
+    from legorl.operator.settings import OperatorSettings, SettingsError, from_environment  # noqa: PLC0415
 
     configure(args.log_level, args.log_format)
-    settings = from_environment(
-        OperatorSettings(
-            namespaces=tuple(args.namespace),
-            health_port=args.health_port,
-            metrics_port=args.metrics_port,
-            log_level=args.log_level,
-            peering=args.peering,
-            resync_seconds=args.resync_seconds,
+    try:
+        settings = from_environment(
+            OperatorSettings(
+                namespaces=tuple(args.namespace),
+                health_port=args.health_port,
+                metrics_port=args.metrics_port,
+                log_level=args.log_level,
+                peering=args.peering,
+                resync_seconds=args.resync_seconds,
+            )
         )
-    )
+    except SettingsError as exc:
+        print(f"legorl operator: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     run_operator(settings)
     return EXIT_OK
 

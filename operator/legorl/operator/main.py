@@ -47,6 +47,7 @@ def make_reconciler(settings: OperatorSettings) -> Reconciler:
             images=settings.images,
             default_store_uri=settings.default_store_uri,
             operator_namespace=settings.operator_namespace,
+            trial_tracing=settings.trial_tracing,
         ),
     )
 

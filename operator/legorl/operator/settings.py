@@ -3,11 +3,12 @@ once at start, then passed down (kopf memo); nothing reads the environment at im
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from legorl.operator.render.common import Images
+from legorl.operator.render.common import Images, TrialTracing
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class OperatorSettings:
     peering: str | None = None
     """kopf peering name for several replicas (one active at a time); None runs standalone."""
     images: Images = field(default_factory=Images)
+    trial_tracing: TrialTracing | None = None
+    """Trial proxies' span export (`LEGORL_TRIAL_TRACING_PEER` with `OTEL_EXPORTER_OTLP_ENDPOINT`)."""
     default_store_uri: str = "pvc://legorl-store/runs"
     operator_namespace: str | None = None
     """Where the operator's own pods run (the chart's `LEGORL_OPERATOR_NAMESPACE`): each run's
@@ -53,4 +56,45 @@ def from_environment(base: OperatorSettings, env: Mapping[str, str] | None = Non
     )
     store = env.get("LEGORL_DEFAULT_STORE_URI") or base.default_store_uri
     namespace = env.get("LEGORL_OPERATOR_NAMESPACE") or base.operator_namespace
-    return replace(base, images=images, default_store_uri=store, operator_namespace=namespace)
+    return replace(
+        base,
+        images=images,
+        default_store_uri=store,
+        operator_namespace=namespace,
+        trial_tracing=trial_tracing(env) or base.trial_tracing,
+    )
+
+
+class SettingsError(ValueError):
+    """A setting from the environment cannot be used (the operator exits with this message)."""
+
+
+def trial_tracing(env: Mapping[str, str]) -> TrialTracing | None:
+    """Trial proxies export spans when the operator has an OTLP endpoint and `LEGORL_TRIAL_TRACING_PEER`
+    names the collector as a NetworkPolicy peer (JSON, e.g. `{"namespaceSelector": {"matchLabels":
+    {"kubernetes.io/metadata.name": "observability"}}}`); without a peer they cannot reach it."""
+    raw = env.get("LEGORL_TRIAL_TRACING_PEER", "").strip()
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not raw or raw in ("{}", "null"):
+        return None
+    if not endpoint:
+        raise SettingsError(
+            "LEGORL_TRIAL_TRACING_PEER is set but OTEL_EXPORTER_OTLP_ENDPOINT is not: trial proxies need "
+            "the collector's endpoint (chart: tracing.otlpEndpoint)"
+        )
+    try:
+        peer = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SettingsError(f"LEGORL_TRIAL_TRACING_PEER is not JSON: {exc.msg}") from None
+    allowed = {"namespaceSelector", "podSelector", "ipBlock"}
+    if not isinstance(peer, dict) or not peer or not set(peer) <= allowed:
+        raise SettingsError(
+            "LEGORL_TRIAL_TRACING_PEER must be one NetworkPolicy peer: an object with namespaceSelector, "
+            f"podSelector and/or ipBlock, got {raw[:200]!r}"
+        )
+    return TrialTracing(
+        endpoint=endpoint,
+        peer=peer,
+        sampler=env.get("OTEL_TRACES_SAMPLER") or None,
+        sampler_arg=env.get("OTEL_TRACES_SAMPLER_ARG") or None,
+    )

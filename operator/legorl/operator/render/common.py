@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from legorl.api._base import GROUP_VERSION
 from legorl.api.common import EnvVar, Placement, PodIdentity, ResourceRequirements
@@ -46,6 +47,36 @@ class Images:
 
 
 @dataclass(frozen=True)
+class TrialTracing:
+    """Trial proxies export their spans (one per model call, parent of the engine's) to the operator's
+    OTLP collector. Trial pods may reach nothing but their fleet, so this names the collector as a
+    NetworkPolicy peer that the run's trial egress policy admits (the pod's egress lock lets only the
+    proxy's uid out, so the agent gains nothing)."""
+
+    endpoint: str
+    """OTLP/HTTP base URL (`OTEL_EXPORTER_OTLP_ENDPOINT`), e.g. http://otel-collector.observability:4318."""
+    peer: Mapping[str, Any]
+    """A NetworkPolicy peer (`namespaceSelector` / `podSelector` / `ipBlock`) that selects the collector."""
+    sampler: str | None = None
+    sampler_arg: str | None = None
+
+    @property
+    def port(self) -> int:
+        """The collector's port, from the endpoint (default 4318, 443 for https)."""
+        url = urlsplit(self.endpoint)
+        return url.port or (443 if url.scheme == "https" else 4318)
+
+    def env(self) -> list[dict[str, str]]:
+        """The proxy container's `OTEL_*` variables."""
+        out = [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": self.endpoint}]
+        if self.sampler:
+            out.append({"name": "OTEL_TRACES_SAMPLER", "value": self.sampler})
+        if self.sampler_arg:
+            out.append({"name": "OTEL_TRACES_SAMPLER_ARG", "value": self.sampler_arg})
+        return out
+
+
+@dataclass(frozen=True)
 class RenderContext:
     """What rendering needs beyond the object itself; everything here is explicit input."""
 
@@ -57,6 +88,9 @@ class RenderContext:
     operator_namespace: str | None = None
     """The operator's namespace: trial pods admit its pods to their proxy port (None: the operator
     runs outside the cluster, no such rule)."""
+    trial_tracing: TrialTracing | None = None
+    """Where trial proxies send spans (None: they export none; the operator still emits each trial's
+    stage spans from its record)."""
 
 
 def short_hash(value: Any, length: int = 10) -> str:

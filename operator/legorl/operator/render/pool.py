@@ -217,7 +217,11 @@ def _proxy_sidecar(trial: TrialContext, ctx: RenderContext) -> dict[str, Any]:
             *([f"--top-p={trial.top_p}"] if trial.top_p is not None else []),
             *(["--capture-routed-experts"] if trial.capture_routed_experts else []),
         ],
-        "env": [{"name": "LEGORL_STORE_URI", "value": trial.store_uri}] if trial.store_uri else [],
+        "env": [
+            *([{"name": "LEGORL_STORE_URI", "value": trial.store_uri}] if trial.store_uri else []),
+            # Its spans (one per model call; the engine's hang under them through `traceparent`).
+            *(ctx.trial_tracing.env() if ctx.trial_tracing is not None else []),
+        ],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": restricted_container(user=PROXY_UID),
         "startupProbe": {

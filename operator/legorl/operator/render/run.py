@@ -256,6 +256,14 @@ def _trial_egress(run: RLRun, fleet_port: int, ctx: RenderContext) -> dict[str, 
             ],
         },
     }
+    if ctx.trial_tracing is not None:
+        # The proxy's spans to the collector (the pod's egress lock lets no other uid out).
+        policy["spec"]["egress"].append(
+            {
+                "to": [dict(ctx.trial_tracing.peer)],
+                "ports": [{"protocol": "TCP", "port": ctx.trial_tracing.port}],
+            }
+        )
     if ctx.operator_namespace:
         policy["spec"]["policyTypes"] = ["Ingress", "Egress"]
         policy["spec"]["ingress"] = [
