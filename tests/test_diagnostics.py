@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import io
 import json
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from legorl.api.store import RunStore
-from legorl.api.trajectory import Segment, TamperFinding, TerminationReason, TrialRecord
+from legorl.api.trajectory import Segment, TamperFinding, TerminationReason, TrialRecord, trials_to_table
 from legorl.diagnostics import (
     RULES,
     EvalFacts,
@@ -758,6 +762,41 @@ def test_facts_from_store_with_run_and_cluster_objects(tmp_path: Path) -> None:
     found = {f.rule: f for f in diagnose(facts_)}
     assert "fidelity-below-threshold" not in found
     assert "rate-limits" in found["image-pull-failures"].causes[0]
+
+
+def test_recorded_tool_call_counts_make_the_rule_exact(tmp_path: Path) -> None:
+    """Trial records carry `tool_call_turns` (the proxy's count of turns the engine answered with parsed
+    tool calls): a batch of trials with none is critical, whatever shape the trials took; a batch
+    committed before the column existed still reads (as unknown)."""
+    store = RunStore(tmp_path / "store")
+    store.write_run_spec(RUN)
+    # Three turns each (not a fallback shape): only the counts can tell that no call was ever parsed.
+    silent = [
+        dataclasses.replace(record(f"s1-t{t}-r{r}", 1), num_turns=3, tool_call_turns=0)
+        for t in range(2)
+        for r in range(3)
+    ]
+    store.commit_batch(1, silent, policy_version="v0")
+    calling = [
+        dataclasses.replace(t, step=2, tool_call_turns=2, trial=t.trial.replace("s1", "s2")) for t in silent
+    ]
+    store.commit_batch(2, calling, policy_version="v1")
+    run = RunFacts.from_store(store)
+    assert [t.tool_calls for t in run.steps[0].trials] == [0] * 6
+    found = {f.rule: f for f in diagnose(run)}
+    assert found["zero-tool-calls"].severity == "critical" and found["zero-tool-calls"].steps == [1]
+
+    # Trials saved by an older legorl (step 3, still collecting): no such column; facts say "unknown".
+    for t in silent:
+        older = trials_to_table([dataclasses.replace(t, step=3, trial=t.trial.replace("s1", "s3"))])
+        sink = io.BytesIO()
+        pq.write_table(older.drop_columns(["tool_call_turns"]), sink)
+        store.write_object(f"trials/train/step-000003/{t.trial.replace('s1', 's3')}.parquet", sink.getvalue())
+    again = RunFacts.from_store(store)
+    assert [(s.step, s.committed) for s in again.steps] == [(1, True), (2, True), (3, False)]
+    assert {t.tool_calls for t in again.steps[2].trials} == {None}
+    # Step 3's trials made three model calls each, not a fallback shape: no guess either way.
+    assert [f.steps for f in diagnose(again) if f.rule == "zero-tool-calls"] == [[1]]
 
 
 def test_facts_from_an_empty_store(tmp_path: Path) -> None:

@@ -170,6 +170,12 @@ def test_run_trains_syncs_and_resumes_after_a_kill(tmp_path: Path) -> None:
             assert record.reward is not None  # scored in a verify sandbox
             assert record.segments and record.num_turns >= 1  # journaled by the proxy
             assert record.stage_seconds["verify"] > 0
+            assert record.tool_call_turns is not None  # the engine's finish reasons, via the proxy
+        # (The random policy writes no call vLLM's parser recognises: the counts are 0 here; the UI
+        # fixture, recorded with the warm-started policy, has them — tests/test_ui_api.py.)
+        # The trainer recorded its log-prob of each trained token (the trajectory viewer's colouring).
+        trained = [store.read_token_logprobs(step, t.trial) for t in batch.trials]
+        assert any(trained), f"no per-token training log-probs for step {step}"
         # Trials of step s ran on v(s-1): the engine served the synced weights (the proxy read the
         # version from vLLM's /weight_info).
         assert {v for t in batch.trials for v in t.policy_versions} == {f"v{step - 1}"}

@@ -672,6 +672,7 @@ def test_trials_run_as_pods_report_status_and_survive_an_operator_restart(cluste
     solved, defense = by_trial["s1-t0-r0"], by_trial["s1-t0-r1"]
     assert (solved.termination_reason.value, solved.reward) == ("completed", 1.0)
     assert solved.num_turns == 2 and len(solved.segments) == 1 and solved.merged_turn_share == 1.0
+    assert solved.tool_call_turns == 0  # the played harness only chats; the proxy counted no tool calls
     assert solved.policy_versions == ["v0"] and solved.segments[0].loss_mask.count(1) > 0
     assert set(solved.stage_seconds) >= {"setup", "agent", "verify"}
     assert (defense.termination_reason.value, defense.reward) == ("defense_failed", None)

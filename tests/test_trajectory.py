@@ -109,6 +109,7 @@ def make_trial(**changes: Any) -> TrialRecord:
         merged_turn_share=0.5,
         stage_seconds={"sandbox": 12.5, "agent": 140.0, "verify": 9.25},
         error=None,
+        tool_call_turns=2,
     )
     return dataclasses.replace(trial, **changes)
 
@@ -163,6 +164,14 @@ def test_round_trip_through_parquet(tmp_path: Path) -> None:
         assert table.schema.equals(schema), f"{schema.metadata[b'legorl.schema']!r} schema changed in Parquet"
     assert turns_from_table(turn_table) == turns
     assert trials_from_table(trial_table) == trials
+
+
+def test_a_table_written_before_tool_call_turns_still_reads(tmp_path: Path) -> None:
+    """`tool_call_turns` was added without a version bump: older trial tables lack the column."""
+    table = trials_to_table([make_trial()])
+    older = table.drop_columns(["tool_call_turns"])
+    (back,) = trials_from_table(parquet_round_trip(older, tmp_path / "older.parquet"))
+    assert back.tool_call_turns is None and back == make_trial(tool_call_turns=None)
 
 
 # --- schema versions ------------------------------------------------------------------------------

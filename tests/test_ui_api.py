@@ -78,6 +78,11 @@ def test_fixture_is_a_real_recorded_run() -> None:
     assert store.read_metrics(), "and the trainer's metrics"
     size = sum(p.stat().st_size for p in FIXTURE.rglob("*") if p.is_file())
     assert size < 2_500_000, f"the fixture grew to {size} bytes; keep it small"
+    # vLLM's hermes parser recognised the warm-started policy's calls (finish reason `tool_calls`,
+    # counted by each trial's proxy): real tool-call counts, which the diagnostics read.
+    trials = [t for step in store.committed_steps() for t in store.read_batch(step).trials]
+    assert all(t.tool_call_turns is not None and t.tool_call_turns <= t.num_turns for t in trials)
+    assert sum(t.tool_call_turns or 0 for t in trials) > 0
 
 
 @pytest.mark.asyncio
@@ -279,6 +284,7 @@ async def test_fleet_and_sandboxes_say_what_is_not_available_locally(api: httpx.
 async def test_diagnostics_run_on_the_store(api: httpx.AsyncClient) -> None:
     data = (await api.get(f"/api/runs/{RUN}/diagnostics")).json()
     assert data["available"] is True, data
+    assert "zero-tool-calls" not in {f["rule"] for f in data["findings"]}, "the recorded policy calls tools"
     rules = (await api.get("/api/rules")).json()
     assert rules["available"] and all(r["id"] and r["title"] for r in rules["rules"])
 

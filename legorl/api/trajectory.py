@@ -136,6 +136,8 @@ TRIAL_SCHEMA: Final = pa.schema(
         pa.field("started_at", pa.timestamp("us", tz="UTC"), nullable=False),
         pa.field("ended_at", pa.timestamp("us", tz="UTC"), nullable=False),
         pa.field("error", pa.string(), nullable=True),
+        # Added in 0.1 without a version bump: optional, absent from older tables (read as null).
+        pa.field("tool_call_turns", pa.int32(), nullable=True),
     ],
     metadata=_meta("trial"),
 )
@@ -309,6 +311,9 @@ class TrialRecord:
     merged_turn_share: float | None = None
     stage_seconds: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    tool_call_turns: int | None = None
+    """Turns the engine answered with parsed tool calls (finish reason `tool_calls`); 0 means the policy
+    never called a tool the engine recognised; None: not known (no proxy trajectory, an older record)."""
 
     def check(self) -> None:
         """Raise TrajectoryError if the record breaks the contract."""
@@ -339,6 +344,7 @@ class TrialRecord:
             "started_at": self.started_at,
             "ended_at": self.ended_at,
             "error": self.error,
+            "tool_call_turns": self.tool_call_turns,
         }
 
     @classmethod
@@ -362,6 +368,7 @@ class TrialRecord:
             merged_turn_share=row["merged_turn_share"],
             stage_seconds={s["stage"]: s["seconds"] for s in row["stage_seconds"]},
             error=row["error"],
+            tool_call_turns=row.get("tool_call_turns"),
         )
 
 

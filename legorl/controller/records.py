@@ -96,6 +96,8 @@ def build_record(
         for seg in segments:
             versions.extend(v for v in seg.policy_versions if v not in versions)
     merged = (trajectory or {}).get("mergedTurnShare")
+    finishes = (trajectory or {}).get("finishReasons")
+    tool_call_turns = int(finishes.get("tool_calls") or 0) if isinstance(finishes, Mapping) else None
     return TrialRecord(
         run=run,
         trial=request.trial,
@@ -115,4 +117,5 @@ def build_record(
         merged_turn_share=float(merged) if merged is not None else None,
         stage_seconds=dict(stage_seconds or {}),
         error=error[-4000:] if error else None,
+        tool_call_turns=tool_call_turns,
     )

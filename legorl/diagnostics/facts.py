@@ -6,8 +6,8 @@ for steps not committed yet; the RLRun spec's thresholds; and, on a cluster, the
 and their events. Tests build `RunFacts` directly.
 
 What the store does not record is left `None` rather than guessed (see docs/diagnostics.md, "Signals
-the store lacks"): per-trial tool-call counts (`TrialFacts.tool_calls`) and the proxy's engine
-retries.
+the store lacks"): the proxy's engine retries, and tool-call counts of trials recorded before
+`TrialRecord.tool_call_turns` existed.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ scheduling and image pulls) counts towards the sandbox's start time."""
 ERROR_CHARS: Final = 1000
 """Trial errors are kept up to this many characters (the store keeps 4000)."""
 
+OPTIONAL_COLUMNS: Final = frozenset({"tool_call_turns"})
+"""Trial columns added after the schema's first version: absent from older tables."""
 TRIAL_COLUMNS: Final = (
+    "tool_call_turns",
     "trial",
     "task_id",
     "group_id",
@@ -85,7 +88,8 @@ class TrialFacts(_Facts):
     num_turns: int = 0
     """Model calls the proxy journaled."""
     tool_calls: int | None = None
-    """Tool calls the policy made. None: not recorded (the run store has no such column yet)."""
+    """Turns the engine answered with parsed tool calls (`TrialRecord.tool_call_turns`). None: not
+    recorded (a store written before the column existed, or a trial without a proxy trajectory)."""
     policy_versions: list[str] = Field(default_factory=list)
     """Every policy version the trial's turns saw."""
     stage_seconds: dict[str, float] = Field(default_factory=dict)
@@ -422,7 +426,11 @@ def _read_trials(store: RunStore, path: str) -> list[TrialFacts]:
         with store.fs.open(store.fs_path(path), "rb") as f:
             parquet = pq.ParquetFile(f)
             check_schema(parquet.schema_arrow, TRIAL_SCHEMA)
-            table = parquet.read(columns=list(TRIAL_COLUMNS))
+            present = set(parquet.schema_arrow.names)
+            # Optional columns (absent from older tables) are read when there.
+            table = parquet.read(
+                columns=[c for c in TRIAL_COLUMNS if c in present or c not in OPTIONAL_COLUMNS]
+            )
     except (OSError, SchemaVersionError, ValueError) as exc:
         raise StoreError(f"{store.url(path)} cannot be read for diagnostics: {exc}") from exc
     return [_trial(row) for row in table.to_pylist()]
@@ -445,6 +453,7 @@ def _trial(row: Mapping[str, Any]) -> TrialFacts:
         ended_at=row["ended_at"],
         tamper_kinds=[t["kind"] for t in row["tamper_findings"]],
         error=error[:ERROR_CHARS] if error else None,
+        tool_calls=row.get("tool_call_turns"),
     )
 
 

@@ -31,11 +31,12 @@ _UNAVAILABLE_WORDS = ("503", "unavailable", "aborted the call", "abort", "refuse
 def zero_tool_calls(facts: RunFacts) -> Finding | None:
     """A training step in which no trial that reached the agent (≥ 4 non-infra trials) made a tool call.
 
-    The store records no tool-call counts yet (`TrialFacts.tool_calls` is None); until it does, the
-    rule matches the shapes such a batch takes: every trial ended after at most one model call (a
-    tool-calling harness answers each call with another model call), or every trial ran into the turn
-    limit (a harness re-asking after each reply without a call). Critical when tool-call counts are
-    recorded, a warning on the fallback shapes."""
+    Trial records carry the turns the engine answered with parsed tool calls
+    (`TrialRecord.tool_call_turns`, from the proxy's finish reasons); for trials recorded before that
+    (`TrialFacts.tool_calls` None) the rule matches the shapes such a batch takes: every trial ended
+    after at most one model call (a tool-calling harness answers each call with another model call),
+    or every trial ran into the turn limit (a harness re-asking after each reply without a call).
+    Critical when tool-call counts are recorded, a warning on the fallback shapes."""
     counted: list[StepFacts] = []
     single: list[StepFacts] = []
     at_limit: list[StepFacts] = []
