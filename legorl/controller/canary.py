@@ -24,8 +24,10 @@ The canary's trial is never trained on.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from legorl.api.kinds import RLRun
@@ -55,6 +57,19 @@ class CanaryReport:
     seconds: float
     checks: list[Check]
     trial: str | None = None
+
+    @classmethod
+    def ended(
+        cls, run: RLRun, started: float, checks: list[Check], record: TrialRecord | None
+    ) -> CanaryReport:
+        """The report of a canary of `run` that began at `started` (`time.monotonic()`) and ends now."""
+        return cls(
+            run=run.metadata.name,
+            time=datetime.now(UTC).isoformat(timespec="seconds"),
+            seconds=time.monotonic() - started,
+            checks=checks,
+            trial=record.trial if record is not None else None,
+        )
 
     @property
     def result(self) -> Result:

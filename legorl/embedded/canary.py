@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from legorl.api.trajectory import TrialRecord
@@ -80,12 +79,6 @@ def run_canary(embedded: EmbeddedRun) -> CanaryReport:
         if backend is not None:
             backend.close()
         engine.close()
-    report = CanaryReport(
-        run=run.metadata.name,
-        time=datetime.now(UTC).isoformat(timespec="seconds"),
-        seconds=time.monotonic() - started,
-        checks=checks,
-        trial=record.trial if record is not None else None,
-    )
+    report = CanaryReport.ended(run, started, checks, record)
     write_report(store, report)
     return report

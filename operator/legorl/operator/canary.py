@@ -101,13 +101,7 @@ def run_canary(
             score_seconds=score_seconds,
             poll_seconds=poll_seconds,
         )
-    report = CanaryReport(
-        run=run.metadata.name,
-        time=datetime.now(UTC).isoformat(timespec="seconds"),
-        seconds=time.monotonic() - started,
-        checks=checks,
-        trial=record.trial if record is not None else None,
-    )
+    report = CanaryReport.ended(run, started, checks, record)
     try:
         write_report(store, report)
     except (StoreError, OSError) as exc:  # status still shows it
