@@ -24,6 +24,8 @@ if ! .venv/bin/python -c 'import vllm' 2>/dev/null; then
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
 fi
 .venv/bin/python -c 'import minisweagent' >/dev/null 2>&1 || "${PIP[@]}" -e '.[harnesses]'
+# Local sandboxes verify with pytest (the stand-in task environment links legorl's own).
+.venv/bin/python -c 'import pytest' >/dev/null 2>&1 || "${PIP[@]}" -e '.[local]'
 # `legorl run` starts one `legorl proxy` per trial.
 .venv/bin/python -c 'import legorl.proxy.app' >/dev/null 2>&1 || "${PIP[@]}" -e '.[proxy]'
 # ... and serves the live UI (`legorl ui`'s extra).

@@ -307,3 +307,29 @@ def test_the_proxy_is_the_one_way_out(backend: LocalBackend, task_set: TaskSet, 
     assert checks[f"egress.refused 127.0.0.1:{port}"].passed
     assert engine.calls == 1
     assert any(journal.iterdir())
+
+
+def test_a_python_without_pytest_is_a_clear_error_and_a_stale_task_env_is_remade(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`legorl run` on a machine whose legorl has no pytest: the verifier could not run any task's
+    tests, so the sandbox backend refuses to start and says what to install (a fresh-clone quick start
+    once ended every trial as verifier_error instead)."""
+    from legorl.sandbox import taskenv  # noqa: PLC0415
+    from legorl.sandbox.local import LocalBackend, SandboxError  # noqa: PLC0415
+
+    real = taskenv.importlib.util.find_spec
+    # A task env made by such an interpreter: stamped, but without pytest among its links.
+    stale = tmp_path / "sandbox" / "task-env"
+    (stale / "links").mkdir(parents=True)
+    (stale / taskenv.STAMP).write_text("")
+    monkeypatch.setattr(
+        taskenv.importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real(name, *a)
+    )
+    with pytest.raises(SandboxError, match=r"pytest is not installed.*legorl\[local\]"):
+        LocalBackend(tmp_path / "sandbox")
+    monkeypatch.setattr(taskenv.importlib.util, "find_spec", real)
+    made = taskenv.ensure_task_env(stale)
+    assert (made / "links" / "pytest").exists(), "the stale environment was made again"
+    python = made / "bin" / "python"
+    assert subprocess.run([str(python), "-c", "import pytest"], check=False).returncode == 0

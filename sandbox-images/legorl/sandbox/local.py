@@ -43,7 +43,7 @@ from typing import Literal
 import legorl.sandbox
 from legorl.sandbox import seccomp
 from legorl.sandbox.checks import Check
-from legorl.sandbox.taskenv import ensure_task_env
+from legorl.sandbox.taskenv import TaskEnvError, ensure_task_env
 
 SANDBOX_PACKAGE = Path(legorl.sandbox.__file__).resolve().parent
 INNER_LIB = "/opt/legorl/lib"
@@ -290,7 +290,10 @@ class LocalBackend:
         if self.defenses.isolate and shutil.which("bwrap") is None:
             raise SandboxError("bubblewrap (bwrap) is not installed: apt-get install -y bubblewrap")
         root.mkdir(parents=True, exist_ok=True)
-        self.task_env = task_env or ensure_task_env(root / "task-env")
+        try:
+            self.task_env = task_env or ensure_task_env(root / "task-env")
+        except TaskEnvError as exc:
+            raise SandboxError(str(exc)) from exc
         """Python for the task's code (first on PATH in agent and verify sandboxes)."""
         self.inner_lib = _inner_lib(root / "inner-lib")
         """The only part of legorl a sandbox sees: what its first process runs."""

@@ -24,11 +24,22 @@ DISTRIBUTIONS = ("pytest", "pluggy", "iniconfig", "packaging", "pygments")
 STAMP = "legorl-task-env-2"
 
 
+class TaskEnvError(RuntimeError):
+    """The stand-in task environment cannot be made (pytest is missing from this interpreter)."""
+
+
 def ensure_task_env(path: Path) -> Path:
     """Create (once) a venv at `path` whose site-packages links only pytest and its dependencies."""
+    if importlib.util.find_spec("pytest") is None:
+        raise TaskEnvError(
+            f"pytest is not installed in legorl's Python ({sys.executable}): local sandboxes run each "
+            "task's tests with it; install it with pip install 'legorl[local]' (scripts/get-engine.sh does)"
+        )
     stamp = path / STAMP
-    if stamp.exists():
+    if stamp.exists() and (path / "links" / "pytest").exists():
         return path
+    if stamp.exists():  # made by an interpreter without pytest: made again
+        subprocess.run(["rm", "-rf", str(path)], check=False)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     subprocess.run(
         [sys.executable, "-m", "venv", "--without-pip", str(tmp)], check=True, capture_output=True, text=True
