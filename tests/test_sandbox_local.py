@@ -6,6 +6,7 @@ tiny hand-made task so each module runs in seconds; the bundled task set has its
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -318,17 +319,17 @@ def test_a_python_without_pytest_is_a_clear_error_and_a_stale_task_env_is_remade
     from legorl.sandbox import taskenv  # noqa: PLC0415
     from legorl.sandbox.local import LocalBackend, SandboxError  # noqa: PLC0415
 
-    real = taskenv.importlib.util.find_spec
+    real = importlib.util.find_spec
     # A task env made by such an interpreter: stamped, but without pytest among its links.
     stale = tmp_path / "sandbox" / "task-env"
     (stale / "links").mkdir(parents=True)
     (stale / taskenv.STAMP).write_text("")
     monkeypatch.setattr(
-        taskenv.importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real(name, *a)
+        importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real(name, *a)
     )
     with pytest.raises(SandboxError, match=r"pytest is not installed.*legorl\[local\]"):
         LocalBackend(tmp_path / "sandbox")
-    monkeypatch.setattr(taskenv.importlib.util, "find_spec", real)
+    monkeypatch.setattr(importlib.util, "find_spec", real)
     made = taskenv.ensure_task_env(stale)
     assert (made / "links" / "pytest").exists(), "the stale environment was made again"
     python = made / "bin" / "python"
