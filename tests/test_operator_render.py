@@ -270,6 +270,18 @@ def test_model_sources_map_to_engine_arguments() -> None:
     assert args[:3] == ["s3://bucket/qwen", "--load-format", "runai_streamer"]
 
 
+def example_trial(**changes: Any) -> TrialContext:
+    """Trial t-0001 of the example run `coder-grpo` (Claude Code, its fleet's in-cluster URL)."""
+    base: dict[str, Any] = {
+        "run_name": "coder-grpo",
+        "trial_id": "t-0001",
+        "task_image": "ghcr.io/example/astropy-12907:1",
+        "harness": Harness(kind="ClaudeCode"),
+        "fleet_url": "http://coder-fleet-engine.default.svc:8000",
+    }
+    return TrialContext(**{**base, **changes})
+
+
 def test_traced_trial_proxies_export_to_the_collector_and_only_they_may_reach_it() -> None:
     (_, pool, run, _) = load(REPO / "examples/shared-fleet-and-pool.yaml")
     assert isinstance(pool, SandboxPool) and isinstance(run, RLRun)
@@ -280,13 +292,7 @@ def test_traced_trial_proxies_export_to_the_collector_and_only_they_may_reach_it
         sampler="parentbased_traceidratio",
         sampler_arg="0.1",
     )
-    trial = TrialContext(
-        run_name="coder-grpo",
-        trial_id="t-0001",
-        task_image="ghcr.io/example/astropy-12907:1",
-        harness=Harness(kind="ClaudeCode"),
-        fleet_url="http://coder-fleet-engine.default.svc:8000",
-    )
+    trial = example_trial()
     pod = trial_pod(stored(pool), trial, RenderContext(trial_tracing=tracing))
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     containers = {c["name"]: c for c in [*pod["spec"]["initContainers"], *pod["spec"]["containers"]]}
@@ -330,13 +336,7 @@ def test_trial_tracing_settings_from_the_environment() -> None:
 def test_trial_pod_is_hardened_and_reaches_only_its_proxy() -> None:
     (_, pool, run, _) = load(REPO / "examples/shared-fleet-and-pool.yaml")
     assert isinstance(pool, SandboxPool) and isinstance(run, RLRun)
-    trial = TrialContext(
-        run_name="coder-grpo",
-        trial_id="t-0001",
-        task_image="ghcr.io/example/astropy-12907:1",
-        harness=Harness(kind="ClaudeCode"),
-        fleet_url="http://coder-fleet-engine.default.svc:8000",
-    )
+    trial = example_trial()
     pod = trial_pod(stored(pool), trial, RenderContext())
     kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     text = "---\n" + to_yaml(pod)
@@ -393,12 +393,7 @@ def test_trial_pod_is_hardened_and_reaches_only_its_proxy() -> None:
 def test_verify_pod_runs_the_pristine_image_without_proxy_or_network() -> None:
     (_, pool, _, _) = load(REPO / "examples/shared-fleet-and-pool.yaml")
     assert isinstance(pool, SandboxPool)
-    trial = TrialContext(
-        run_name="coder-grpo",
-        trial_id="t-0001",
-        task_image="ghcr.io/example/astropy-12907:1",
-        harness=Harness(kind="ClaudeCode"),
-        fleet_url="http://coder-fleet-engine.default.svc:8000",
+    trial = example_trial(
         task_config_map="coder-grpo-t-0001-task",
     )
     pod = verify_pod(stored(pool), trial, RenderContext(), changes_config_map="coder-grpo-t-0001-changes")

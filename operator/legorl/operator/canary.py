@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Literal
 
 from legorl.api._base import MAX_TEXT
 from legorl.api.conditions import rfc3339
@@ -184,7 +185,7 @@ def _parity(
 
 def validation_status(
     requested: str,
-    state: str,
+    state: Literal["Pending", "Running", "Passed", "Warning", "Failed"],
     message: str,
     *,
     started: datetime | None,
@@ -200,7 +201,7 @@ def validation_status(
         ]
     return ValidationStatus(
         requested=requested[:63],
-        state=state,  # type: ignore[arg-type]
+        state=state,
         message=message[:MAX_TEXT],
         start_time=rfc3339(started) if started is not None else None,
         completion_time=rfc3339(now or datetime.now(UTC)) if report is not None else None,
