@@ -228,29 +228,41 @@ CASES: dict[str, tuple[list[Any], list[Any]]] = {
         [{"mode": "Sync"}, {"mode": "Async", "maxStalenessSteps": 2}],
         [{"mode": "Sync", "maxStalenessSteps": 1}],
     ),
-    "(self.nodes * self.gpusPerNode) % (self.tensor * self.pipeline * self.context) == 0": (
+    "!has(self.processesPerNode)": (
+        [
+            {"gpusPerNode": 8},
+            {"gpusPerNode": 8, "processesPerNode": 8},
+            {"gpusPerNode": 0, "processesPerNode": 4},
+        ],
+        [{"gpusPerNode": 8, "processesPerNode": 4}],
+    ),
+    "% (self.tensor * self.pipeline * self.context) == 0": (
         [
             {"nodes": 4, "gpusPerNode": 8, "tensor": 2, "pipeline": 2, "expert": 8, "context": 1},
             {"nodes": 1, "gpusPerNode": 0, "tensor": 1, "pipeline": 1, "expert": 1, "context": 1},
+            # A CPU trainer of gloo ranks (tests, layouts tried without GPUs).
+            {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 4, "tensor": 2, "pipeline": 2, "context": 1},
         ],
         [
             {"nodes": 1, "gpusPerNode": 8, "tensor": 3, "pipeline": 1, "expert": 1, "context": 1},
-            {"nodes": 2, "gpusPerNode": 0, "tensor": 1, "pipeline": 1, "expert": 1, "context": 1},
-            {"nodes": 1, "gpusPerNode": 0, "tensor": 1, "pipeline": 1, "expert": 2, "context": 1},
+            {"nodes": 1, "gpusPerNode": 0, "tensor": 2, "pipeline": 1, "expert": 1, "context": 1},
+            {"nodes": 1, "gpusPerNode": 0, "processesPerNode": 3, "tensor": 1, "pipeline": 2, "context": 1},
         ],
     ),
-    "self.gpusPerNode == 0 || self.tensor <= self.gpusPerNode": (
-        [{"gpusPerNode": 8, "tensor": 8}],
-        [{"gpusPerNode": 4, "tensor": 8}],
+    "self.tensor <= ": (
+        [{"gpusPerNode": 8, "tensor": 8}, {"gpusPerNode": 0, "processesPerNode": 2, "tensor": 2}],
+        [{"gpusPerNode": 4, "tensor": 8}, {"gpusPerNode": 0, "tensor": 2}],
     ),
-    "% self.expert == 0": (
+    "% (self.tensor * self.expert * self.pipeline) == 0": (
         [
-            {"nodes": 2, "gpusPerNode": 8, "pipeline": 2, "expert": 8},
-            {"nodes": 1, "gpusPerNode": 0, "pipeline": 1, "expert": 1},
+            {"nodes": 2, "gpusPerNode": 8, "tensor": 1, "pipeline": 2, "expert": 8},
+            {"nodes": 4, "gpusPerNode": 8, "tensor": 2, "pipeline": 1, "expert": 8},
+            {"nodes": 1, "gpusPerNode": 0, "tensor": 1, "pipeline": 1, "expert": 1},
         ],
         [
-            {"nodes": 1, "gpusPerNode": 8, "pipeline": 2, "expert": 8},
-            {"nodes": 1, "gpusPerNode": 6, "pipeline": 1, "expert": 4},
+            {"nodes": 1, "gpusPerNode": 8, "tensor": 1, "pipeline": 2, "expert": 8},
+            {"nodes": 1, "gpusPerNode": 6, "tensor": 1, "pipeline": 1, "expert": 4},
+            {"nodes": 1, "gpusPerNode": 8, "tensor": 2, "pipeline": 1, "expert": 8},
         ],
     ),
     "self.uri.startsWith('s3://')": (

@@ -32,6 +32,7 @@ from legorl.api.common import (
     TaskSetSource,
 )
 from legorl.api.fleet import FleetTemplate
+from legorl.api.layout import ParallelLayout
 from legorl.api.pool import SandboxPoolSpec
 from legorl.api.termination import INFRA_REASONS, TerminationReason
 
@@ -274,33 +275,47 @@ class TrajectoryFilter(ApiModel):
     """Groups whose trials all got the same reward carry no GRPO signal; `Drop` skips them."""
 
 
+_RANKS_PER_NODE = (
+    "(has(self.processesPerNode) ? self.processesPerNode : (self.gpusPerNode == 0 ? 1 : self.gpusPerNode))"
+)
+"""Trainer ranks per pod, in CEL (the default of `TrainerParallelism.layout`)."""
+_WORLD = f"(self.nodes * {_RANKS_PER_NODE})"
+
+
 class TrainerParallelism(ApiModel):
-    """Megatron parallel layout of the trainer."""
+    """Megatron parallel layout of the trainer: `nodes` pods of ranks, split into tensor, pipeline, expert and
+    data parallelism (data parallelism is what is left: ranks / (tensor × pipeline × context))."""
 
     model_config = rules(
         CelRule(
             rule=(
-                "self.gpusPerNode == 0 ? (self.nodes == 1 && self.tensor == 1 && self.pipeline == 1 "
-                "&& self.expert == 1 && self.context == 1) : "
-                "(self.nodes * self.gpusPerNode) % (self.tensor * self.pipeline * self.context) == 0"
+                "!has(self.processesPerNode) || self.gpusPerNode == 0 "
+                "|| self.processesPerNode == self.gpusPerNode"
             ),
             message=(
-                "tensor × pipeline × context must divide the GPUs (nodes × gpusPerNode); a CPU "
-                "trainer (gpusPerNode 0) runs unsharded on one node"
+                "a GPU trainer runs one rank per GPU: leave processesPerNode unset or equal to gpusPerNode"
+            ),
+            field_path=".processesPerNode",
+        ),
+        CelRule(
+            rule=f"{_WORLD} % (self.tensor * self.pipeline * self.context) == 0",
+            message=(
+                "tensor × pipeline × context must divide the trainer ranks (nodes × ranks per node: "
+                "gpusPerNode, or processesPerNode for a CPU trainer)"
             ),
             field_path=".tensor",
         ),
         CelRule(
-            rule="self.gpusPerNode == 0 || self.tensor <= self.gpusPerNode",
-            message="tensor parallelism must stay within one node: tensor ≤ gpusPerNode",
+            rule=f"self.tensor <= {_RANKS_PER_NODE}",
+            message="tensor parallelism must stay within one node: tensor ≤ ranks per node",
             field_path=".tensor",
         ),
         CelRule(
-            rule=(
-                "self.gpusPerNode == 0 || "
-                "((self.nodes * self.gpusPerNode) / self.pipeline) % self.expert == 0"
+            rule=f"{_WORLD} % (self.tensor * self.expert * self.pipeline) == 0",
+            message=(
+                "tensor × expert × pipeline must divide the trainer ranks: experts are split over ranks "
+                "taken from data parallelism, each expert over the tensor-parallel ranks"
             ),
-            message="expert parallelism must divide the GPUs of one pipeline stage",
             field_path=".expert",
         ),
     )
@@ -309,14 +324,30 @@ class TrainerParallelism(ApiModel):
     """Trainer pods (one per node)."""
     gpus_per_node: Annotated[int, Field(ge=0, le=16)] = 8
     """GPUs per trainer pod; 0 trains on CPU (tests and the embedded default)."""
+    processes_per_node: Annotated[int, Field(ge=1, le=64)] | None = None
+    """Trainer ranks per pod. Default: one per GPU, or 1 for a CPU trainer; a CPU trainer may run several
+    (gloo) ranks to test a layout without GPUs. A GPU trainer always runs one rank per GPU."""
     tensor: Annotated[int, Field(ge=1, le=64)] = 1
-    """Tensor parallel size."""
+    """Tensor parallel size (with sequence parallelism when above 1)."""
     pipeline: Annotated[int, Field(ge=1, le=256)] = 1
-    """Pipeline parallel size."""
+    """Pipeline parallel size (decoder layers split evenly over the stages)."""
     expert: Annotated[int, Field(ge=1, le=1024)] = 1
-    """Expert parallel size (MoE)."""
+    """Expert parallel size (MoE): the experts of each layer split over this many ranks."""
     context: Annotated[int, Field(ge=1, le=64)] = 1
-    """Context parallel size (long sequences)."""
+    """Context parallel size (long sequences); this trainer build needs 1 (see docs/trainer.md)."""
+
+    def layout(self) -> ParallelLayout:
+        """The ranks and parallel sizes this spec asks for."""
+        ranks = self.processes_per_node or max(1, self.gpus_per_node)
+        return ParallelLayout(
+            nodes=self.nodes,
+            ranks_per_node=ranks,
+            tensor=self.tensor,
+            pipeline=self.pipeline,
+            expert=self.expert,
+            context=self.context,
+            gpus_per_node=self.gpus_per_node,
+        )
 
 
 class TrainerSpec(ApiModel):
