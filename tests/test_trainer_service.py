@@ -181,15 +181,37 @@ def test_resume_gives_the_same_next_step(
         assert got[key] == want[key], key
 
 
-def test_settings_refuse_unsupported_layouts(tiny: Path, tmp_path: Path) -> None:
-    with pytest.raises(SettingsError, match="pipeline"):
+def test_settings_refuse_layouts_that_cannot_run(tiny: Path, tmp_path: Path) -> None:
+    from legorl.trainer.model import MoeArchitecture  # noqa: PLC0415
+
+    shape = MoeArchitecture.from_hf(tiny).shape()  # 4 heads, 2 KV heads, 8 experts, 2 layers
+    with pytest.raises(SettingsError, match=r"parallelism.tensor: tensor × pipeline × context = 1 × 2 × 1"):
         make_settings(tiny, tmp_path, pipeline_parallel=2).check_supported()
-    with pytest.raises(SettingsError, match="tensor=2"):
-        make_settings(tiny, tmp_path, tensor_parallel=2).check_supported()
+    # Sizes that add up, but a model that cannot take them.
+    with pytest.raises(
+        SettingsError, match=r"parallelism.tensor: the model's 2 key/value heads do not split"
+    ):
+        make_settings(tiny, tmp_path, ranks_per_node=4, tensor_parallel=4).check_supported(model=shape)
+    with pytest.raises(SettingsError, match=r"parallelism.expert: the model's 8 experts do not split over 3"):
+        make_settings(tiny, tmp_path, ranks_per_node=3, expert_parallel=3).check_supported(model=shape)
+    with pytest.raises(
+        SettingsError, match=r"parallelism.pipeline: the model's 2 layers do not split evenly"
+    ):
+        make_settings(tiny, tmp_path, ranks_per_node=3, pipeline_parallel=3).check_supported(model=shape)
+    with pytest.raises(
+        SettingsError, match=r"parallelism.context: context parallelism 2: .*Transformer Engine"
+    ):
+        make_settings(tiny, tmp_path, ranks_per_node=2, context_parallel=2).check_supported(model=shape)
     with pytest.raises(SettingsError, match=r"topP=0.9.*Set topP to 1.0"):
         make_settings(tiny, tmp_path, top_p=0.9).check_supported()
-    with pytest.raises(SettingsError, match="4 trainer ranks"):
+    with pytest.raises(SettingsError, match=r"asks for 1 ranks .* but 4 were started.*--nproc-per-node=1"):
         make_settings(tiny, tmp_path).check_supported(world_size=4)
+    # What the tiny model does take.
+    for layout in ({"tensor_parallel": 2}, {"expert_parallel": 2}, {"pipeline_parallel": 2}, {}):
+        make_settings(tiny, tmp_path, ranks_per_node=2, **layout).check_supported(world_size=2, model=shape)
+    make_settings(tiny, tmp_path, ranks_per_node=4, tensor_parallel=2, expert_parallel=2).check_supported(
+        world_size=4, model=shape
+    )
 
 
 def test_legorl_train_from_a_manifest(tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]) -> None:

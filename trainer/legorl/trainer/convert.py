@@ -10,6 +10,12 @@ On disk, transformers writes one tensor per expert (`mlp.experts.{e}.gate_proj.w
 loaded transformers-5 model fuses them; this module reads and writes the on-disk layout that vLLM and
 transformers load. Transformer Engine layer names (norms fused into the following linear) are resolved
 too, so a TE-spec model converts with the same rules.
+
+At any parallel layout: tensor parallelism cuts each parameter along one dimension (`Split`), pipeline stages
+hold a range of layers (numbered from 0 on each stage; `layer_number` says which), expert-parallel ranks a
+range of experts (`local_expert_indices`). `load_hf_weights` gives every rank only its slices, reading just
+those from the safetensors files; `gather_hf_state_dict` assembles the whole model on the writer, the same
+tensors bit for bit from every layout (tests/test_trainer_parallel.py).
 """
 
 from __future__ import annotations
@@ -18,12 +24,13 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -35,10 +42,16 @@ with compat.silence_import_warnings():
 
 __all__ = [
     "ConversionError",
+    "ParamShard",
+    "assemble",
     "export_hf_state_dict",
+    "gather_hf_state_dict",
+    "hf_names",
     "hf_tensor_locations",
     "load_hf_weights",
+    "parameter_shards",
     "save_hf_checkpoint",
+    "take_shard",
 ]
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -52,14 +65,30 @@ class ConversionError(ValueError):
     """Weights that do not fit the model: missing, unexpected, or misshapen tensors; unsupported layouts."""
 
 
+Split = Literal["none", "rows", "cols", "gate_up"]
+"""How tensor parallelism cuts a Megatron parameter: `none` (replicated), `rows` / `cols` (contiguous chunks
+of dim 0 / dim 1: the embedding and output layer by vocabulary, the fused QKV by query group, the projections
+into the residual stream by input), `gate_up` (the gate rows and the up rows each chunked, rank r holding
+[gate_r; up_r], as megatron's SwiGLU layers do)."""
+
+
 @dataclass(frozen=True)
 class _Rule:
-    """One Megatron parameter and the HF tensors it is made of."""
+    """One Megatron parameter of this rank and the HF tensors it is made of."""
 
     megatron: str
+    """The parameter's name in this rank's model (pipeline stages number their layers from 0)."""
     hf: tuple[str, ...]
+    """The HF tensors (global names: layer and expert indices of the whole model)."""
     to_megatron: Callable[[list[torch.Tensor]], torch.Tensor]
+    """HF tensors -> the whole (unsharded) Megatron tensor."""
     to_hf: Callable[[torch.Tensor], list[torch.Tensor]]
+    """The whole Megatron tensor -> the HF tensors."""
+    split: Split = "none"
+    expert: bool = False
+    """An expert's weight: sharded over the expert tensor-parallel group, held by one expert-parallel rank."""
+    qkv: tuple[int, int, int] | None = None
+    """(query groups, query heads per group, head dim) of a fused QKV weight."""
 
 
 def _same(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -79,6 +108,24 @@ def _split_halves(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [gate, up]
 
 
+def _fuse_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, groups: int, per_group: int, d: int
+) -> torch.Tensor:
+    hidden = q.shape[1]
+    for name, tensor, rows in (("q", q, groups * per_group * d), ("k", k, groups * d), ("v", v, groups * d)):
+        if tuple(tensor.shape) != (rows, hidden):
+            raise ConversionError(f"{name}_proj has shape {tuple(tensor.shape)}, expected {(rows, hidden)}")
+    fused = torch.cat(
+        [
+            q.reshape(groups, per_group * d, hidden),
+            k.reshape(groups, d, hidden),
+            v.reshape(groups, d, hidden),
+        ],
+        dim=1,
+    )
+    return fused.reshape(-1, hidden)
+
+
 def _qkv_rules(
     arch: MoeArchitecture,
 ) -> tuple[Callable[..., torch.Tensor], Callable[..., list[torch.Tensor]]]:
@@ -87,24 +134,11 @@ def _qkv_rules(
 
     def fuse(parts: list[torch.Tensor]) -> torch.Tensor:
         q, k, v = parts
-        for name, tensor, rows in (
-            ("q", q, groups * per_group * d),
-            ("k", k, groups * d),
-            ("v", v, groups * d),
-        ):
-            if tuple(tensor.shape) != (rows, hidden):
-                raise ConversionError(
-                    f"{name}_proj has shape {tuple(tensor.shape)}, expected {(rows, hidden)}"
-                )
-        fused = torch.cat(
-            [
-                q.reshape(groups, per_group * d, hidden),
-                k.reshape(groups, d, hidden),
-                v.reshape(groups, d, hidden),
-            ],
-            dim=1,
-        )
-        return fused.reshape(-1, hidden)
+        if tuple(q.shape) != (groups * per_group * d, hidden):
+            raise ConversionError(
+                f"q_proj has shape {tuple(q.shape)}, expected {(groups * per_group * d, hidden)}"
+            )
+        return _fuse_qkv(q, k, v, groups=groups, per_group=per_group, d=d)
 
     def split(fused: torch.Tensor) -> list[torch.Tensor]:
         grouped = fused.reshape(groups, (per_group + 2) * d, hidden)
@@ -125,86 +159,250 @@ def _pick(candidates: Iterable[str], names: Mapping[str, Any]) -> str:
     )
 
 
-def _rules(arch: MoeArchitecture, params: Mapping[str, torch.Tensor]) -> list[_Rule]:
+def _layer_rules(
+    arch: MoeArchitecture,
+    params: Mapping[str, torch.Tensor],
+    local: int,
+    layer: int,
+    experts: Sequence[int],
+) -> list[_Rule]:
+    """The rules of decoder layer `layer` (global index), held as `decoder.layers.{local}` on this stage."""
     fuse_qkv, split_qkv = _qkv_rules(arch)
-    rules = [_Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), _same, _one)]
-    for i in range(arch.num_layers):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        attn = m + "self_attention."
-        rules += [
-            _Rule(
-                _pick([m + "input_layernorm.weight", attn + "linear_qkv.layer_norm_weight"], params),
-                (h + "input_layernorm.weight",),
-                _same,
-                _one,
-            ),
-            _Rule(
-                attn + "linear_qkv.weight",
-                tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"),
-                fuse_qkv,
-                split_qkv,
-            ),
-            _Rule(attn + "q_layernorm.weight", (h + "self_attn.q_norm.weight",), _same, _one),
-            _Rule(attn + "k_layernorm.weight", (h + "self_attn.k_norm.weight",), _same, _one),
-            _Rule(attn + "linear_proj.weight", (h + "self_attn.o_proj.weight",), _same, _one),
-            _Rule(
-                _pick([m + "pre_mlp_layernorm.weight", m + "mlp.linear_fc1.layer_norm_weight"], params),
-                (h + "post_attention_layernorm.weight",),
-                _same,
-                _one,
-            ),
-        ]
-        if i in arch.moe_layers:
-            rules.append(_Rule(m + "mlp.router.weight", (h + "mlp.gate.weight",), _same, _one))
-            for e in range(arch.num_experts):
-                expert = h + f"mlp.experts.{e}."
-                fc1 = [
-                    m + f"mlp.experts.local_experts.{e}.linear_fc1.weight",
-                    m + f"mlp.experts.linear_fc1.weight{e}",
-                ]
-                fc2 = [
-                    m + f"mlp.experts.local_experts.{e}.linear_fc2.weight",
-                    m + f"mlp.experts.linear_fc2.weight{e}",
-                ]
-                rules += [
-                    _Rule(
-                        _pick(fc1, params),
-                        (expert + "gate_proj.weight", expert + "up_proj.weight"),
-                        _concat,
-                        _split_halves,
-                    ),
-                    _Rule(_pick(fc2, params), (expert + "down_proj.weight",), _same, _one),
-                ]
-        else:
+    m, h = f"decoder.layers.{local}.", f"model.layers.{layer}."
+    attn = m + "self_attention."
+    per_group = arch.num_attention_heads // arch.num_key_value_heads
+    rules = [
+        _Rule(
+            _pick([m + "input_layernorm.weight", attn + "linear_qkv.layer_norm_weight"], params),
+            (h + "input_layernorm.weight",),
+            _same,
+            _one,
+        ),
+        _Rule(
+            attn + "linear_qkv.weight",
+            tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"),
+            fuse_qkv,
+            split_qkv,
+            split="rows",
+            qkv=(arch.num_key_value_heads, per_group, arch.head_dim),
+        ),
+        _Rule(attn + "q_layernorm.weight", (h + "self_attn.q_norm.weight",), _same, _one),
+        _Rule(attn + "k_layernorm.weight", (h + "self_attn.k_norm.weight",), _same, _one),
+        _Rule(attn + "linear_proj.weight", (h + "self_attn.o_proj.weight",), _same, _one, split="cols"),
+        _Rule(
+            _pick([m + "pre_mlp_layernorm.weight", m + "mlp.linear_fc1.layer_norm_weight"], params),
+            (h + "post_attention_layernorm.weight",),
+            _same,
+            _one,
+        ),
+    ]
+    if layer in arch.moe_layers:
+        rules.append(_Rule(m + "mlp.router.weight", (h + "mlp.gate.weight",), _same, _one))
+        for e_local, e in enumerate(experts):
+            expert = h + f"mlp.experts.{e}."
+            fc1 = [
+                m + f"mlp.experts.local_experts.{e_local}.linear_fc1.weight",
+                m + f"mlp.experts.linear_fc1.weight{e_local}",
+            ]
+            fc2 = [
+                m + f"mlp.experts.local_experts.{e_local}.linear_fc2.weight",
+                m + f"mlp.experts.linear_fc2.weight{e_local}",
+            ]
             rules += [
                 _Rule(
-                    m + "mlp.linear_fc1.weight",
-                    (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                    _pick(fc1, params),
+                    (expert + "gate_proj.weight", expert + "up_proj.weight"),
                     _concat,
                     _split_halves,
+                    split="gate_up",
+                    expert=True,
                 ),
-                _Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), _same, _one),
+                _Rule(
+                    _pick(fc2, params), (expert + "down_proj.weight",), _same, _one, split="cols", expert=True
+                ),
             ]
-    rules.append(_Rule("decoder.final_layernorm.weight", ("model.norm.weight",), _same, _one))
-    if not arch.tie_word_embeddings:
-        rules.append(_Rule("output_layer.weight", ("lm_head.weight",), _same, _one))
+    else:
+        rules += [
+            _Rule(
+                m + "mlp.linear_fc1.weight",
+                (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                _concat,
+                _split_halves,
+                split="gate_up",
+            ),
+            _Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), _same, _one, split="cols"),
+        ]
     return rules
 
 
-def _check_single_shard() -> None:
-    if not parallel_state.model_parallel_is_initialized():
-        return
-    sizes = {
-        "tensor": parallel_state.get_tensor_model_parallel_world_size(),
-        "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
-        "expert": parallel_state.get_expert_model_parallel_world_size(),
-    }
-    split = {k: v for k, v in sizes.items() if v > 1}
-    if split:
-        raise ConversionError(
-            f"HF conversion handles unsharded models only; this process has model-parallel sizes {split}. "
-            "Use tensor/pipeline/expert parallelism 1 (data parallelism is fine)"
+def _rules(arch: MoeArchitecture, model: torch.nn.Module) -> list[_Rule]:
+    """The rules of every parameter of this rank's model, in HF order (embedding, layers, norm, head)."""
+    inner = unwrap(model)
+    params = dict(inner.named_parameters())
+    rules: list[_Rule] = []
+    if inner.pre_process:
+        rules.append(
+            _Rule(
+                "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), _same, _one, split="rows"
+            )
         )
+    for local, block in enumerate(inner.decoder.layers):
+        experts = list(getattr(block.mlp, "local_expert_indices", []))
+        rules += _layer_rules(arch, params, local, int(block.layer_number) - 1, experts)
+    if inner.post_process:
+        rules.append(_Rule("decoder.final_layernorm.weight", ("model.norm.weight",), _same, _one))
+        if not arch.tie_word_embeddings:
+            rules.append(_Rule("output_layer.weight", ("lm_head.weight",), _same, _one, split="rows"))
+    return rules
+
+
+def hf_names(arch: MoeArchitecture) -> list[str]:
+    """Every HF tensor of the whole model, in checkpoint order (the tied `lm_head.weight` left out)."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(arch.num_layers):
+        h = f"model.layers.{i}."
+        names += [h + "input_layernorm.weight", *(h + f"self_attn.{p}_proj.weight" for p in "qkv")]
+        names += [h + "self_attn.q_norm.weight", h + "self_attn.k_norm.weight", h + "self_attn.o_proj.weight"]
+        names.append(h + "post_attention_layernorm.weight")
+        if i in arch.moe_layers:
+            names.append(h + "mlp.gate.weight")
+            for e in range(arch.num_experts):
+                names += [h + f"mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+        else:
+            names += [h + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    names.append("model.norm.weight")
+    if not arch.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def _tp(rule: _Rule) -> tuple[int, int, Any]:
+    """(size, rank, group) of the tensor-parallel group that shards `rule`'s parameter."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 0, None
+    if rule.expert:
+        return (
+            parallel_state.get_expert_tensor_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_group(),
+        )
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_group(),
+    )
+
+
+def _full_shape(rule: _Rule, local: torch.Size) -> tuple[int, ...]:
+    """The whole Megatron tensor's shape, from this rank's shard of it."""
+    size = _tp(rule)[0]
+    shape = list(local)
+    if rule.split in ("rows", "gate_up"):
+        shape[0] *= size
+    elif rule.split == "cols":
+        shape[1] *= size
+    return tuple(shape)
+
+
+def _read_local(
+    rule: _Rule, read: Callable[[str, slice, slice], torch.Tensor], shapes: Mapping[str, tuple[int, ...]]
+) -> torch.Tensor:
+    """This rank's shard of `rule`'s parameter, reading only the slices of the HF tensors it is made of
+    (`shapes`: each HF tensor's whole shape)."""
+    size, rank, _ = _tp(rule)
+    everything = slice(None)
+
+    def chunk(n: int) -> slice:
+        if n % size:
+            raise ConversionError(f"{rule.megatron}: {n} rows/columns do not split over {size} tensor ranks")
+        step = n // size
+        return slice(rank * step, (rank + 1) * step)
+
+    if size == 1 or rule.split == "none":
+        return rule.to_megatron([read(name, everything, everything) for name in rule.hf])
+    if rule.qkv is not None:
+        groups, per_group, d = rule.qkv
+        g = chunk(groups)
+        q, k, v = rule.hf
+        return _fuse_qkv(
+            read(q, slice(g.start * per_group * d, g.stop * per_group * d), everything),
+            read(k, slice(g.start * d, g.stop * d), everything),
+            read(v, slice(g.start * d, g.stop * d), everything),
+            groups=g.stop - g.start,
+            per_group=per_group,
+            d=d,
+        )
+    if rule.split == "rows":
+        (name,) = rule.hf
+        return read(name, chunk(shapes[name][0]), everything)
+    if rule.split == "cols":
+        (name,) = rule.hf
+        return read(name, everything, chunk(shapes[name][1]))
+    gate, up = rule.hf
+    rows = chunk(shapes[gate][0])
+    return torch.cat([read(gate, rows, everything), read(up, rows, everything)], dim=0)
+
+
+def assemble(pieces: Sequence[torch.Tensor], split: Split) -> torch.Tensor:
+    """The whole tensor from every tensor-parallel rank's shard of it, in rank order."""
+    if split == "none" or len(pieces) == 1:
+        return pieces[0]
+    if split == "rows":
+        return torch.cat(list(pieces), dim=0)
+    if split == "cols":
+        return torch.cat(list(pieces), dim=1)
+    halves = [p.chunk(2, dim=0) for p in pieces]
+    return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+
+
+def take_shard(full: torch.Tensor, split: Split, parts: int, index: int) -> torch.Tensor:
+    """Shard `index` of `parts` of a whole tensor (the inverse of `assemble`)."""
+    if split == "none" or parts == 1:
+        return full
+    if split == "rows":
+        return full.chunk(parts, dim=0)[index]
+    if split == "cols":
+        return full.chunk(parts, dim=1)[index]
+    gate, up = full.chunk(2, dim=0)
+    return torch.cat([gate.chunk(parts, dim=0)[index], up.chunk(parts, dim=0)[index]])
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """Which whole tensor a parameter of this rank is a shard of, and which shard."""
+
+    key: str
+    """The whole tensor's identity, the same at every layout (its HF tensor names)."""
+    split: Split
+    parts: int
+    index: int
+    expert: bool
+
+
+def parameter_shards(model: torch.nn.Module, arch: MoeArchitecture) -> dict[str, ParamShard]:
+    """Every parameter of this rank's model (by its name here) as a shard of a layout-independent tensor."""
+    out = {}
+    for rule in _rules(arch, model):
+        size, rank, _ = _tp(rule)
+        split: Split = rule.split if size > 1 else "none"
+        out[rule.megatron] = ParamShard(
+            "|".join(rule.hf),
+            split,
+            size if split != "none" else 1,
+            rank if split != "none" else 0,
+            rule.expert,
+        )
+    return out
+
+
+def _gather_full(rule: _Rule, shard: torch.Tensor) -> torch.Tensor:
+    """The whole Megatron tensor from every tensor-parallel rank's shard (a collective over that group)."""
+    size, _, group = _tp(rule)
+    if size == 1 or rule.split == "none":
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(size)]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return assemble(parts, rule.split)
 
 
 def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -234,18 +432,19 @@ def hf_tensor_locations(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Pat
 def load_hf_weights(
     model: torch.nn.Module, checkpoint_dir: str | os.PathLike[str], arch: MoeArchitecture
 ) -> None:
-    """Copy a HF safetensors checkpoint into the Megatron model (cast to each parameter's dtype/device).
+    """Copy a HF safetensors checkpoint into this rank's share of the Megatron model.
 
-    Every Megatron parameter must be covered and every checkpoint tensor used (a tied checkpoint's
-    `lm_head.weight` excepted); shapes must match exactly. Nothing is copied unless all checks pass.
+    Every rank reads only the slices of the tensors its parameters are made of (safetensors reads a slice
+    without loading the rest), cast to each parameter's dtype and device. The checkpoint must hold exactly
+    the model's tensors (a tied checkpoint's `lm_head.weight` excepted) with the shapes the config implies,
+    and every parameter of this rank must be covered; nothing is copied unless all checks pass.
     """
-    _check_single_shard()
     params = _parameters(model)
-    rules = _rules(arch, params)
+    rules = _rules(arch, model)
     locations = hf_tensor_locations(checkpoint_dir)
     where = Path(checkpoint_dir)
 
-    wanted = {name for rule in rules for name in rule.hf}
+    wanted = set(hf_names(arch))
     missing = sorted(wanted - locations.keys())
     ignorable = {"lm_head.weight"} if arch.tie_word_embeddings else set()
     unexpected = sorted(locations.keys() - wanted - ignorable)
@@ -264,54 +463,172 @@ def load_hf_weights(
 
     handles: dict[Path, Any] = {}
 
-    def tensor(name: str, *, meta: bool) -> torch.Tensor:
+    def handle(name: str) -> Any:
         path = locations[name]
         if path not in handles:
             if not path.is_file():
                 raise ConversionError(f"{path}: a shard named by the index does not exist")
             handles[path] = safe_open(str(path), framework="pt")
-        if meta:
-            return torch.empty(handles[path].get_slice(name).get_shape(), device="meta")
-        loaded: torch.Tensor = handles[path].get_tensor(name)
-        return loaded
+        return handles[path]
 
+    shapes = {name: tuple(handle(name).get_slice(name).get_shape()) for rule in rules for name in rule.hf}
     # First the shapes alone (meta tensors through the same rules), so a bad checkpoint is refused before
     # any parameter changes and without holding a second copy of the weights in memory.
     for rule in rules:
         try:
-            value = rule.to_megatron([tensor(name, meta=True) for name in rule.hf])
+            value = rule.to_megatron([torch.empty(shapes[name], device="meta") for name in rule.hf])
         except ConversionError as exc:
             raise ConversionError(
                 f"{where}: {rule.megatron}: {exc} (the config says {_describe(arch)})"
             ) from None
-        target = params[rule.megatron]
-        if value.shape != target.shape:
+        expected = _full_shape(rule, params[rule.megatron].shape)
+        if tuple(value.shape) != expected:
             raise ConversionError(
                 f"{where}: {' + '.join(rule.hf)} gives shape {tuple(value.shape)} for {rule.megatron}, "
-                f"which has {tuple(target.shape)}; the config does not describe these weights"
+                f"which has {expected}; the config does not describe these weights"
             )
+
+    def read(name: str, rows: slice, cols: slice) -> torch.Tensor:
+        piece = handle(name).get_slice(name)
+        if len(shapes[name]) == 1:
+            tensor: torch.Tensor = piece[rows]
+        else:
+            tensor = piece[rows, cols]
+        return tensor
+
     with torch.no_grad():
         for rule in rules:
             target = params[rule.megatron]
-            target.copy_(rule.to_megatron([tensor(name, meta=False) for name in rule.hf]).to(target.dtype))
+            target.copy_(_read_local(rule, read, shapes).to(target.dtype))
     handles.clear()
 
 
-def export_hf_state_dict(model: torch.nn.Module, arch: MoeArchitecture) -> dict[str, torch.Tensor]:
-    """The model's weights under HF names in the on-disk layout: contiguous CPU tensors, dtype preserved."""
-    _check_single_shard()
+def _sources() -> dict[tuple[int, int | None], int]:
+    """Which global rank sends each part of the model to the writer: per (pipeline stage, expert-parallel rank
+    or None for the dense parameters), the rank with tensor rank 0 and data (or expert-data) rank 0."""
+    coords = [
+        (
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(with_context_parallel=True),
+            parallel_state.get_expert_model_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_data_parallel_rank(),
+        )
+    ]
+    if dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, coords[0])
+        coords = everyone
+    out: dict[tuple[int, int | None], int] = {}
+    for rank, (stage, tp, dp, ep, etp, edp) in enumerate(coords):
+        if tp == 0 and dp == 0:
+            out.setdefault((stage, None), rank)
+        if etp == 0 and edp == 0:
+            out.setdefault((stage, ep), rank)
+    return out
+
+
+def _unit_key(rule: _Rule) -> tuple[str, ...]:
+    return rule.hf
+
+
+def gather_hf_state_dict(
+    model: torch.nn.Module, arch: MoeArchitecture, values: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights under HF names in the on-disk layout, on the writer (global rank 0); None on
+    every other rank. A collective: every rank of the trainer must call it.
+
+    Each part is assembled from its tensor-parallel shards by the ranks that hold it and sent to the writer by
+    one of them (tensor rank 0 of data-parallel replica 0; per expert-parallel rank for experts). The writer
+    receives in checkpoint order, so the result is the same tensors, bit for bit, at every layout. Tensors are
+    contiguous CPU copies in the model's dtype. `values`: tensors shaped like the parameters to convert
+    instead of the parameters themselves (by Megatron name; e.g. their gradients).
+    """
     params = _parameters(model)
-    rules = _rules(arch, params)
+    if values is not None:
+        params = {name: values[name] for name in params}
+    rules = _rules(arch, model)
     uncovered = sorted(params.keys() - {rule.megatron for rule in rules})
     if uncovered:
         raise ConversionError(f"Megatron parameters with no HF name: {_some(uncovered)}")
-    out: dict[str, torch.Tensor] = {}
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed:
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for rule in rules:
+                for name, tensor in zip(rule.hf, rule.to_hf(params[rule.megatron].detach()), strict=True):
+                    out[name] = tensor.to("cpu").contiguous().clone()
+        return out
+    return _gather_distributed(model, arch, params, rules)
+
+
+def _gather_distributed(
+    model: torch.nn.Module,
+    arch: MoeArchitecture,
+    params: Mapping[str, torch.Tensor],
+    rules: Sequence[_Rule],
+) -> dict[str, torch.Tensor] | None:
+    rank = dist.get_rank()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    ep = parallel_state.get_expert_model_parallel_rank()
+    dense_source_group = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert_source_group = parallel_state.get_expert_data_parallel_rank() == 0
+    sources = _sources()
+    # Every rank learns every other rank's part list (names, shapes, dtypes, owner), in checkpoint order.
+    mine = []
+    for rule in rules:
+        owner = (stage, ep if rule.expert else None)
+        shard = params[rule.megatron]
+        whole = _full_shape(rule, shard.shape)
+        hf_shapes = [tuple(t.shape) for t in rule.to_hf(torch.empty(whole, device="meta"))]
+        mine.append((rule.hf, owner, hf_shapes, str(shard.dtype).removeprefix("torch.")))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    units: dict[tuple[str, ...], tuple[tuple[int, int | None], list[tuple[int, ...]], str]] = {}
+    for parts in everyone:
+        for names, owner, shapes, dtype in parts:
+            units.setdefault(tuple(names), ((owner[0], owner[1]), [tuple(s) for s in shapes], dtype))
+    order = {name: i for i, name in enumerate(hf_names(arch))}
+    ordered = sorted(units, key=lambda names: order[names[0]])
+    by_key = {_unit_key(rule): rule for rule in rules}
+    out: dict[str, torch.Tensor] | None = {} if rank == 0 else None
     with torch.no_grad():
-        for rule in rules:
-            parts = rule.to_hf(params[rule.megatron].detach())
-            for name, tensor in zip(rule.hf, parts, strict=True):
-                # clone: a view of a parameter shares memory with it (and safetensors refuses shared storage).
-                out[name] = tensor.to("cpu").contiguous().clone()
+        for names in ordered:
+            owner, shapes, dtype = units[names]
+            source = sources[owner]
+            held = by_key.get(names)
+            holds = held is not None and (expert_source_group if held.expert else dense_source_group)
+            tensors: list[torch.Tensor] | None = None
+            if held is not None and holds:
+                full = _gather_full(held, params[held.megatron].detach())
+                tensors = [t.contiguous() for t in held.to_hf(full)]
+            if rank == source and rank != 0:
+                assert tensors is not None
+                for tensor in tensors:
+                    dist.send(tensor.contiguous(), dst=0)
+            if rank == 0:
+                assert out is not None
+                if source == 0:
+                    assert tensors is not None
+                    received = tensors
+                else:
+                    device = next(iter(params.values())).device
+                    received = []
+                    for shape in shapes:
+                        buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                        dist.recv(buffer, src=source)
+                        received.append(buffer)
+                for name, tensor in zip(names, received, strict=True):
+                    out[name] = tensor.to("cpu").contiguous().clone()
+    return out
+
+
+def export_hf_state_dict(model: torch.nn.Module, arch: MoeArchitecture) -> dict[str, torch.Tensor]:
+    """`gather_hf_state_dict` in a one-rank process (tests, SFT): the weights under HF names."""
+    out = gather_hf_state_dict(model, arch)
+    if out is None:
+        raise ConversionError("export_hf_state_dict is for one rank; with several, use gather_hf_state_dict")
     return out
 
 

@@ -55,6 +55,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--steps", type=int, help="stop after this step (default: the run's stop.maxSteps)")
     p.add_argument("--no-wait", action="store_true", help="exit when no further batch is committed")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the run, the trainer's layout and (when the checkpoint's config.json is at hand: "
+        "--checkpoint-dir or file://) the model against that layout, print the layout, start nothing",
+    )
     p.add_argument("--poll-seconds", type=float, default=2.0, help="how often to look for a new batch")
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
@@ -173,33 +179,118 @@ def _load_run(args: argparse.Namespace) -> Any:
     return RLRun.model_validate(body)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        run = _load_run(args)
-        if args.run and args.run != run.metadata.name:
-            raise ValueError(f"--run {args.run} does not match the manifest's RLRun {run.metadata.name}")
-        store = args.store or (run.spec.store.uri if run.spec.store else f".legorl/runs/{run.metadata.name}")
-        if store.startswith("file://"):
-            store = store.removeprefix("file://")
-        cache = Path(store) / "cache" if "://" not in store else Path(os.environ.get("HOME", ".")) / ".cache"
-        checkpoint = args.checkpoint_dir or resolve_checkpoint(
-            run.spec.policy.checkpoint.uri, cache, revision=run.spec.policy.checkpoint.revision
-        )
-        from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
+def _model_shape(checkpoint: Path) -> Any:
+    """The checkpoint's shape for the layout check, when its config.json is here already (else None)."""
+    from legorl.trainer.architecture import ModelConfigError, MoeArchitecture  # noqa: PLC0415
 
-        settings = TrainerSettings.from_run(
-            run,
-            store_uri=store,
-            checkpoint_dir=checkpoint,
-            fleet_urls=tuple(args.fleet_url),
-            device=args.device,
+    if not (checkpoint / "config.json").is_file():
+        return None
+    try:
+        return MoeArchitecture.from_hf(checkpoint).shape()
+    except ModelConfigError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def _check(args: argparse.Namespace, run: Any, store: str) -> int:
+    """`--check`: the layout against the ranks it asks for and, when its config is here, the model."""
+    from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
+
+    uri = run.spec.policy.checkpoint.uri
+    local = args.checkpoint_dir or (Path(uri.removeprefix("file://")) if uri.startswith("file://") else None)
+    settings = TrainerSettings.from_run(
+        run, store_uri=store, checkpoint_dir=local or Path("."), device=args.device
+    )
+    shape = _model_shape(Path(local)) if local is not None else None
+    settings.check_supported(model=shape)
+    layout = settings.layout
+    print(
+        f"{run.metadata.name}: trainer layout {layout.describe()} on {layout.world_size} ranks "
+        f"({layout.nodes} node(s) × {layout.ranks_per_node}): tensor {layout.tensor} (sequence parallel "
+        f"{'on' if layout.sequence_parallel else 'off'}), pipeline {layout.pipeline}, expert {layout.expert}, "
+        f"data {layout.data}, expert data {layout.expert_data}"
+    )
+    if shape is None:
+        print(f"  model not checked: {uri} is not local (pass --checkpoint-dir with its config.json)")
+    else:
+        print(f"  model {local}: fits the layout")
+    return EXIT_OK
+
+
+def _launch_ranks(argv: Sequence[str], ranks: int, store: str, checkpoint: Path) -> int:
+    """Run this command again under torchrun with `ranks` processes on this machine (one node)."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        "-m",
+        "legorl.trainer",
+        *argv,
+        f"--store={store}",
+        f"--checkpoint-dir={checkpoint}",
+    ]
+    print(f"legorl train: starting {ranks} trainer ranks (torchrun --standalone --nproc-per-node={ranks})")
+    import subprocess  # noqa: PLC0415
+
+    return subprocess.call(command)  # noqa: S603 -- our own interpreter and module
+
+
+def _prepare(args: argparse.Namespace, args_list: list[str], rank: int) -> tuple[Any, Any] | int:
+    """The RLRun and its trainer settings, checked before torch is imported; or the exit code of the ranks
+    this command started (a multi-rank layout launched without torchrun)."""
+    launched = "WORLD_SIZE" in os.environ
+    run = _load_run(args)
+    if args.run and args.run != run.metadata.name:
+        raise ValueError(f"--run {args.run} does not match the manifest's RLRun {run.metadata.name}")
+    store = args.store or (run.spec.store.uri if run.spec.store else f".legorl/runs/{run.metadata.name}")
+    if store.startswith("file://"):
+        store = store.removeprefix("file://")
+    cache = Path(store) / "cache" if "://" not in store else Path(os.environ.get("HOME", ".")) / ".cache"
+    from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
+
+    layout = run.spec.trainer.parallelism.layout()
+    if not launched and not args.check and layout.world_size > 1 and layout.nodes > 1:
+        raise ValueError(
+            f"spec.trainer.parallelism asks for {layout.nodes} nodes × {layout.ranks_per_node} ranks: "
+            f"start legorl train on every node under torchrun (--nnodes={layout.nodes} "
+            f"--nproc-per-node={layout.ranks_per_node} --node-rank=... --master-addr=...), as the "
+            "operator's trainer Job does"
         )
-        settings.check_supported(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    if launched and rank != 0 and args.checkpoint_dir is None and "://" in run.spec.policy.checkpoint.uri:
+        # One rank makes or downloads the checkpoint (builtin://, hf://); the others must be told where.
+        raise ValueError("give --checkpoint-dir to every rank (legorl train passes it when it starts them)")
+    if args.check:
+        return _check(args, run, store)
+    checkpoint = args.checkpoint_dir or resolve_checkpoint(
+        run.spec.policy.checkpoint.uri, cache, revision=run.spec.policy.checkpoint.revision
+    )
+    settings = TrainerSettings.from_run(
+        run, store_uri=store, checkpoint_dir=checkpoint, fleet_urls=tuple(args.fleet_url), device=args.device
+    )
+    shape = _model_shape(Path(checkpoint))
+    if not launched and layout.world_size > 1:
+        settings.check_supported(model=shape)
+        return _launch_ranks(args_list, layout.world_size, store, Path(checkpoint))
+    settings.check_supported(world_size=int(os.environ.get("WORLD_SIZE", "1")), model=shape)
+    return run, settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(args_list)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=args.log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"
+    )
+    try:
+        prepared = _prepare(args, args_list, rank)
     except ValueError as exc:
         print(f"legorl train: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if isinstance(prepared, int):
+        return prepared
+    run, settings = prepared
     try:
         import torch  # noqa: F401, PLC0415
     except ImportError as exc:
@@ -210,16 +301,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from legorl.trainer.telemetry import TrainerTelemetry  # noqa: PLC0415
 
     store_obj = RunStore(settings.store_uri)
-    if args.spec is not None:
+    if args.spec is not None and rank == 0:
         # The store names the run it belongs to, so later processes (and the UI) can start from it.
         store_obj.write_run_spec(run.to_wire())
     registry = None
-    if args.metrics_port:
+    if args.metrics_port and rank == 0:
         from legorl.telemetry.metrics import new_registry, serve_metrics  # noqa: PLC0415
 
         registry = new_registry()
         serve_metrics(registry, args.metrics_port, host="0.0.0.0")  # noqa: S104 - a pod's metrics port
-    telemetry = TrainerTelemetry(meter_provider(), run=settings.run, registry=registry)
+    telemetry = TrainerTelemetry(meter_provider(), run=settings.run, registry=registry) if rank == 0 else None
     service = TrainingService(settings, store=store_obj, telemetry=telemetry)
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
@@ -228,8 +319,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    if service.resumed_from is not None:
+    if service.resumed_from is not None and rank == 0:
         print(f"resumed at step {service.trainer.step} (checkpoint of step {service.resumed_from})")
     done = service.run(max_steps=args.steps, wait=not args.no_wait, poll_seconds=args.poll_seconds)
-    print(f"trained {len(done)} step(s); policy version v{service.trainer.step}; store {settings.store_uri}")
+    if rank == 0:
+        print(
+            f"trained {len(done)} step(s); policy version v{service.trainer.step}; "
+            f"store {settings.store_uri}; layout {settings.layout.describe()}"
+        )
     return EXIT_OK

@@ -14,12 +14,8 @@ top-k scaling, no load-balancing loss.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -27,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from legorl.trainer import compat
+from legorl.trainer.architecture import ModelConfigError, MoeArchitecture
 
 with compat.silence_import_warnings():
     from megatron.core import parallel_state, tensor_parallel
@@ -37,6 +34,8 @@ with compat.silence_import_warnings():
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 __all__ = [
     "GPTModel",
@@ -50,197 +49,8 @@ __all__ = [
     "unwrap",
 ]
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3")
 Recompute = Literal["none", "selective", "full"]
 Dispatcher = Literal["allgather", "alltoall"]
-
-
-class ModelConfigError(ValueError):
-    """The checkpoint's config.json describes something this trainer cannot build faithfully."""
-
-
-def _require(config: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if key not in config or config[key] is None:
-        raise ModelConfigError(
-            f"{where}: config.json has no {key!r}; a {SUPPORTED_MODEL_TYPES} config needs it"
-        )
-    value = config[key]
-    # bool is an int in Python; a size given as true/false is a broken config, not 1/0.
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise ModelConfigError(f"{where}: {key}={value!r} must be a number")
-    if not isinstance(value, kind):
-        raise ModelConfigError(f"{where}: {key}={value!r} has the wrong type (expected {kind})")
-    return value
-
-
-def _rope_theta(config: Mapping[str, Any], where: str) -> float:
-    """RoPE base from transformers 5's `rope_parameters` or the older top-level `rope_theta`."""
-    params = config.get("rope_parameters")
-    scaling = config.get("rope_scaling")
-    if params is not None and not isinstance(params, Mapping):
-        raise ModelConfigError(f"{where}: rope_parameters must be an object, got {params!r}")
-    for name, block in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if block is None:
-            continue
-        if not isinstance(block, Mapping):
-            raise ModelConfigError(f"{where}: {name} must be an object or null, got {block!r}")
-        rope_type = block.get("rope_type", block.get("type", "default"))
-        if rope_type != "default":
-            raise ModelConfigError(
-                f"{where}: {name}.rope_type={rope_type!r} is not supported; only plain RoPE "
-                "(rope_type 'default', no scaling) is implemented"
-            )
-        factor = block.get("partial_rotary_factor", 1.0)
-        if factor != 1.0:
-            raise ModelConfigError(
-                f"{where}: {name}.partial_rotary_factor={factor} is not supported (only 1.0)"
-            )
-    theta = (params or {}).get("rope_theta", config.get("rope_theta"))
-    if theta is None:
-        raise ModelConfigError(
-            f"{where}: config.json has no RoPE base: expected rope_parameters.rope_theta (transformers 5) "
-            "or rope_theta"
-        )
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
-        raise ModelConfigError(f"{where}: rope_theta={theta!r} must be a positive number")
-    return float(theta)
-
-
-@dataclass(frozen=True)
-class MoeArchitecture:
-    """The shape of a Qwen3(-MoE) model as read from its HF config.json (a dense model has no experts)."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    """Width of the dense MLP (`intermediate_size`), used by dense models and `mlp_only_layers`."""
-    moe_ffn_hidden_size: int
-    """Width of one expert (`moe_intermediate_size`); 0 for a dense model."""
-    num_experts: int
-    top_k: int
-    norm_topk_prob: bool
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    moe_layers: tuple[int, ...]
-    """Indices (0-based) of the decoder layers whose MLP is a mixture of experts, in order."""
-    model_type: str = "qwen3_moe"
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0 and len(self.moe_layers) > 0
-
-    @property
-    def num_moe_layers(self) -> int:
-        return len(self.moe_layers)
-
-    @classmethod
-    def from_hf(cls, source: str | os.PathLike[str] | Mapping[str, Any]) -> MoeArchitecture:
-        """Parse `<dir>/config.json`, a config.json path, or an already-loaded config dict."""
-        if isinstance(source, Mapping):
-            config: Mapping[str, Any] = source
-            where = "config"
-        else:
-            path = Path(source)
-            if path.is_dir():
-                path = path / "config.json"
-            where = str(path)
-            try:
-                config = json.loads(path.read_text())
-            except FileNotFoundError as exc:
-                raise ModelConfigError(f"{where}: not found; point at a HF checkpoint directory") from exc
-            except json.JSONDecodeError as exc:
-                raise ModelConfigError(f"{where}: not valid JSON: {exc}") from exc
-            if not isinstance(config, Mapping):
-                raise ModelConfigError(f"{where}: must hold a JSON object")
-        return cls._parse(config, where)
-
-    @classmethod
-    def _parse(cls, config: Mapping[str, Any], where: str) -> MoeArchitecture:
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelConfigError(
-                f"{where}: model_type={model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3-MoE and dense Qwen3)"
-            )
-        for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
-            if config.get(key):
-                raise ModelConfigError(
-                    f"{where}: {key}={config[key]!r}: shared experts are not supported "
-                    "(Qwen3-MoE has none; set it to 0 or null)"
-                )
-        if config.get("use_sliding_window"):
-            raise ModelConfigError(f"{where}: use_sliding_window=true is not supported (full attention only)")
-        if config.get("attention_bias"):
-            raise ModelConfigError(f"{where}: attention_bias=true is not supported (Qwen3 has no biases)")
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
-
-        hidden = _require(config, "hidden_size", int, where)
-        heads = _require(config, "num_attention_heads", int, where)
-        kv_heads = _require(config, "num_key_value_heads", int, where)
-        num_layers = _require(config, "num_hidden_layers", int, where)
-        # transformers' own default when a Qwen3 config leaves head_dim out.
-        head_dim = config.get("head_dim") or hidden // heads
-        if heads % kv_heads:
-            raise ModelConfigError(
-                f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-            )
-
-        if model_type == "qwen3_moe":
-            experts_key = "num_experts" if "num_experts" in config else "num_local_experts"
-            num_experts = _require(config, experts_key, int, where)
-            top_k = _require(config, "num_experts_per_tok", int, where)
-            moe_ffn = _require(config, "moe_intermediate_size", int, where)
-            norm_topk = _require(config, "norm_topk_prob", bool, where)
-            mlp_only = config.get("mlp_only_layers") or []
-            step = config.get("decoder_sparse_step", 1)
-            if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-                raise ModelConfigError(f"{where}: decoder_sparse_step={step!r} must be an integer >= 1")
-            if not isinstance(mlp_only, list) or not all(
-                isinstance(i, int) and 0 <= i < num_layers for i in mlp_only
-            ):
-                raise ModelConfigError(
-                    f"{where}: mlp_only_layers={mlp_only!r} must list layer indices in [0, {num_layers})"
-                )
-            # transformers' Qwen3MoeDecoderLayer rule.
-            moe_layers = tuple(
-                i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
-            )
-            if num_experts < 1 or not 1 <= top_k <= num_experts:
-                raise ModelConfigError(
-                    f"{where}: num_experts_per_tok={top_k} must be between 1 and the number of experts "
-                    f"({num_experts})"
-                )
-        else:
-            num_experts, top_k, moe_ffn, norm_topk, moe_layers = 0, 0, 0, False, ()
-
-        return cls(
-            vocab_size=_require(config, "vocab_size", int, where),
-            hidden_size=hidden,
-            num_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=int(head_dim),
-            ffn_hidden_size=_require(config, "intermediate_size", int, where),
-            moe_ffn_hidden_size=moe_ffn,
-            num_experts=num_experts,
-            top_k=top_k,
-            norm_topk_prob=norm_topk,
-            rms_norm_eps=float(_require(config, "rms_norm_eps", (int, float), where)),
-            rope_theta=_rope_theta(config, where),
-            max_position_embeddings=_require(config, "max_position_embeddings", int, where),
-            # Qwen3's configs default to untied embeddings (transformers' Qwen3(Moe)Config does too).
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            moe_layers=moe_layers,
-            model_type=str(model_type),
-        )
 
 
 def init_distributed(
@@ -321,8 +131,10 @@ def transformer_config(
     cpu_initialization: bool = True,
 ) -> Any:
     """The megatron TransformerConfig that reproduces `arch` (see the module docstring for why each flag)."""
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ModelConfigError(f"dtype={dtype}: use torch.float32, torch.bfloat16 or torch.float16")
+    if dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        raise ModelConfigError(
+            f"dtype={dtype}: use torch.float32, torch.bfloat16 or torch.float16 (or float64)"
+        )
     if routing_replay and not arch.is_moe:
         raise ModelConfigError("routing_replay=True needs a mixture-of-experts model; this one is dense")
     if recompute not in ("none", "selective", "full"):
@@ -331,6 +143,8 @@ def transformer_config(
         raise ModelConfigError(
             f"moe_token_dispatcher={moe_token_dispatcher!r}: use 'allgather' or 'alltoall'"
         )
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     recompute_kwargs: dict[str, Any] = {}
     if recompute == "selective":
         # Recompute the attention core (scores and softmax), the largest activation of the local,
@@ -381,12 +195,25 @@ def transformer_config(
         rotary_interleaved=False,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        attention_softmax_in_fp32=True,
+        # In float32 at least; a float64 model (exactness tests) keeps float64 throughout.
+        attention_softmax_in_fp32=dtype != torch.float64,
         apply_query_key_layer_scaling=False,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-        sequence_parallel=False,
+        # megatron refuses MoE layers with TP > 1 unless activations are split over the sequence too
+        # (and SP halves activation memory besides); the norms that then see a slice of the sequence are
+        # built to allow it (`SequenceParallelNorm`).
+        sequence_parallel=tp > 1,
+        # Pipeline stages exchange activations of this dtype (legorl's own schedule, `pipeline.py`, knows
+        # every micro-batch's shape from the plan: megatron's `variable_seq_lengths` stays off, which its
+        # allgather dispatcher requires).
+        pipeline_dtype=dtype,
+        # batch_isend_irecv needs NCCL; gloo (CPU) takes the plain isend/irecv path.
+        batch_p2p_comm=torch.cuda.is_available(),
+        # The trainer's loss is already normalised over the whole batch (all micro-batches, all data-parallel
+        # ranks): megatron's pipeline schedule must not divide it again.
+        calculate_per_token_loss=True,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -452,9 +279,17 @@ def build_model(
         moe_token_dispatcher=moe_token_dispatcher,
         cpu_initialization=resolved.type == "cpu",
     )
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    if arch.tie_word_embeddings and not (first and last):
+        raise ModelConfigError(
+            "tie_word_embeddings=true with pipeline parallelism: the first and last stages would each hold "
+            "a copy of the embedding to keep in step; this trainer does not do that; use pipeline 1"
+        )
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm"
     )
+    if not use_transformer_engine:
+        _swap_torch_norms(spec)
     for layer in spec.layer_specs:
         mlp = layer.submodules.mlp
         if isinstance(mlp.module, type) and issubclass(mlp.module, MLP):
@@ -468,8 +303,10 @@ def build_model(
         transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        # A pipeline stage holds its share of the decoder layers; the first also the embedding, the last
+        # the final norm and the output layer.
+        pre_process=first,
+        post_process=last,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
@@ -481,6 +318,56 @@ def build_model(
     # input's dtype either way).
     built: torch.nn.Module = net.to(device=resolved, dtype=dtype)
     return built
+
+
+class SequenceParallelNorm:
+    """megatron's torch norm (`WrappedTorchNorm`, the local spec's) that accepts sequence parallelism.
+
+    Under sequence parallelism each tensor-parallel rank normalises its own slice of the sequence, so the
+    norm weight's gradient on each rank covers only that slice: the weight is marked `sequence_parallel` and
+    the trainer sums its gradient over the tensor-parallel group, as Transformer Engine's norms and
+    megatron's `finalize_model_grads` do. Without sequence parallelism it is exactly `WrappedTorchNorm`.
+    """
+
+    def __new__(  # type: ignore[misc]  # a factory, like the class it replaces
+        cls,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        *,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "RMSNorm",
+    ) -> torch.nn.Module:
+        if config.normalization != "RMSNorm" or zero_centered_gamma or config.layernorm_zero_centered_gamma:
+            raise ModelConfigError(
+                f"normalization {config.normalization!r} (zero-centred {zero_centered_gamma}): only plain "
+                "RMSNorm is built"
+            )
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+        return norm
+
+
+def _swap_torch_norms(spec: Any) -> None:
+    """Replace megatron's `WrappedTorchNorm` by `SequenceParallelNorm` everywhere in a layer/block spec."""
+    if isinstance(spec, ModuleSpec):
+        if spec.module is WrappedTorchNorm:
+            spec.module = SequenceParallelNorm
+        if spec.submodules is not None:
+            _swap_torch_norms(spec.submodules)
+        return
+    if isinstance(spec, (list, tuple)):
+        for item in spec:
+            _swap_torch_norms(item)
+        return
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            value = getattr(spec, f.name)
+            if value is WrappedTorchNorm:
+                setattr(spec, f.name, SequenceParallelNorm)
+            else:
+                _swap_torch_norms(value)
 
 
 def unwrap(model: torch.nn.Module) -> Any:

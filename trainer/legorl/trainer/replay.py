@@ -37,6 +37,9 @@ __all__ = [
     "megatron_to_engine",
     "model_router_replays",
     "resolve_routing_replay",
+    "stage_columns",
+    "stage_indices",
+    "stage_moe_layers",
 ]
 
 RoutingReplayMode = Literal["Auto", "Enabled", "Disabled"]
@@ -71,6 +74,17 @@ def model_router_replays(model: torch.nn.Module) -> list[Any]:
     ]
 
 
+def stage_moe_layers(model: torch.nn.Module, arch: MoeArchitecture) -> list[int]:
+    """Global indices of the MoE layers this rank's model holds (its pipeline stage's share), in order."""
+    held = [int(block.layer_number) - 1 for block in unwrap(model).decoder.layers]
+    return [layer for layer in held if layer in arch.moe_layers]
+
+
+def stage_columns(model: torch.nn.Module, arch: MoeArchitecture) -> list[int]:
+    """Which of the engine's routing columns (one per MoE layer of the whole model) this stage replays."""
+    return [arch.moe_layers.index(layer) for layer in stage_moe_layers(model, arch)]
+
+
 def check_replay_active(model: torch.nn.Module, arch: MoeArchitecture) -> None:
     """Raise ReplayError unless replaying routing on `model` will really change what its routers do."""
     config = unwrap(model).config
@@ -85,10 +99,11 @@ def check_replay_active(model: torch.nn.Module, arch: MoeArchitecture) -> None:
             "build it with build_model(..., routing_replay=True)"
         )
     instances = model_router_replays(model)
-    if len(instances) != arch.num_moe_layers:
+    expected = len(stage_moe_layers(model, arch))
+    if len(instances) != expected:
         raise ReplayError(
-            f"the model has {len(instances)} routers with replay, but the architecture has "
-            f"{arch.num_moe_layers} MoE layers; every MoE layer must replay"
+            f"the model has {len(instances)} routers with replay, but its layers include {expected} of the "
+            f"architecture's {arch.num_moe_layers} MoE layers; every MoE layer must replay"
         )
     registered = RouterReplay.global_router_replay_instances
     if len(registered) != len(instances) or any(
@@ -98,6 +113,26 @@ def check_replay_active(model: torch.nn.Module, arch: MoeArchitecture) -> None:
             "megatron's global list of replay instances is not this model's routers (another model with "
             "routing replay was built after it, or the list was cleared); build the replaying model last"
         )
+
+
+def stage_indices(
+    per_layer: Sequence[torch.Tensor],
+    columns: Sequence[int],
+    *,
+    batch: int,
+    tensor_rank: int,
+    tensor_size: int,
+) -> list[torch.Tensor]:
+    """This rank's share of `engine_to_megatron`'s per-layer indices: its stage's MoE layers (`columns`) and,
+    under sequence parallelism, its slice of the sequence (rows are sequence-major: s·B + b)."""
+    out = [per_layer[c] for c in columns]
+    if tensor_size == 1:
+        return out
+    tokens = out[0].shape[0] if out else 0
+    if tokens % (batch * tensor_size):
+        raise ReplayError(f"{tokens // max(batch, 1)} positions do not split over {tensor_size} tensor ranks")
+    share = tokens // tensor_size
+    return [layer[tensor_rank * share : (tensor_rank + 1) * share] for layer in out]
 
 
 def _as_array(entry: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -242,6 +277,20 @@ class RouterReplayer:
                 )
             instance.set_target_indices(layer)
             instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def route_normally(self) -> None:
+        """The next forward routes as the router decides, keeping the indices queued for recomputation."""
+        for instance in self._instances():
+            instance.clear_router_replay_action()
+
+    def backward_of(self, replayed: bool) -> None:
+        """The backward about to run is of a forward that was (or was not) replayed: recomputation pops the
+        oldest queued indices (megatron's queue is first in, first out, as 1F1B's backwards are in order)."""
+        for instance in self._instances():
+            if replayed:
+                instance.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            else:
+                instance.clear_router_replay_action()
 
     def before_backward(self) -> None:
         """Recomputation in backward (recompute='full') replays the queued indices, in forward order.

@@ -1,5 +1,10 @@
 """The trainer process: wait for a committed batch, update, publish weights, sync the fleet, repeat.
 
+Every rank of the trainer runs this loop in lock step. The writer (global rank 0) alone reads the store's
+listings and decides what comes next — a step, scoring requests, waiting, stopping — and tells the others
+(`parallel.broadcast`); every rank trains, exports (a collective) and writes its part of each checkpoint; the
+writer alone publishes weights, writes metrics and state, and syncs the fleet.
+
 State that a restart needs lives in the run store: the committed batches, the published weights, the
 per-step metrics, `trainer/state.json` (last completed step and policy version) and the checkpoints. On
 start the service loads the newest checkpoint and re-trains any later steps whose batches are committed
@@ -19,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from legorl.api.store import RunStore, StoreError, policy_version
-from legorl.trainer.checkpoint import CheckpointStore
+from legorl.trainer import parallel
+from legorl.trainer.checkpoint import CheckpointStore, load_checkpoint, save_checkpoint
 from legorl.trainer.settings import SettingsError, TrainerSettings
 from legorl.trainer.telemetry import TrainerTelemetry
 from legorl.trainer.train import PolicyTrainer
@@ -70,6 +76,7 @@ class TrainingService:
                 "weights from a path, so put the store on a volume both can mount (pvc:// or file://)"
             )
         self.trainer = PolicyTrainer(self.settings)
+        self.writer = self.trainer.ranks.writer
         self.checkpoints = CheckpointStore(self.settings.checkpoint_uri or f"{self.store.uri}/checkpoints")
         self.sync = (
             FleetWeightSync(
@@ -77,7 +84,7 @@ class TrainingService:
                 pause_mode=self.settings.pause_mode,
                 timeout=self.settings.sync_timeout_seconds,
             )
-            if self.settings.fleet_urls
+            if self.settings.fleet_urls and self.writer
             else None
         )
         self.resumed_from: int | None = None
@@ -86,28 +93,39 @@ class TrainingService:
     # -- resume ----------------------------------------------------------------------------------------
 
     def _resume(self) -> None:
-        latest = self.checkpoints.latest()
+        latest = parallel.broadcast(self.checkpoints.latest() if self.writer else None)
         if latest is not None:
-            self.trainer.load_state(self.checkpoints.load(latest.step))
+            load_checkpoint(self.checkpoints, latest.step, self.trainer)
             self.resumed_from = latest.step
-            log.info("resumed from the checkpoint of step %d (%s)", latest.step, latest.uri)
-        published = set(self.store.published_versions())
-        recorded = {int(m["step"]) for m in self.store.read_metrics()}
+            if self.writer:
+                log.info("resumed from the checkpoint of step %d (%s)", latest.step, latest.uri)
+        published, committed, recorded = parallel.broadcast(
+            (
+                set(self.store.published_versions()),
+                set(self.store.committed_steps()),
+                {int(m["step"]) for m in self.store.read_metrics()},
+            )
+            if self.writer
+            else None
+        )
         # Steps after the checkpoint whose weights the fleet may already serve: re-train them from their
         # batches so the optimizer state matches, but publish nothing again.
         while policy_version(self.trainer.step + 1) in published:
             step = self.trainer.step + 1
-            if step not in self.store.committed_steps():
+            if step not in committed:
                 break
-            log.info("re-training step %d from its committed batch (published before the restart)", step)
+            if self.writer:
+                log.info("re-training step %d from its committed batch (published before the restart)", step)
             figures = self.trainer.train_step(self.store.read_batch(step).trials, step=step)
             figures["retrained_on_resume"] = 1
             # A crash between publishing and recording the step left no figures and a stale pointer; figures
             # that were recorded stay (they describe the step as it was published and synced).
-            if step not in recorded:
-                self.store.write_metrics(step, _flat(figures))
-            self._write_state(step, None)
-        self._catch_up_fleet()
+            if self.writer:
+                if step not in recorded:
+                    self.store.write_metrics(step, _flat(figures))
+                self._write_state(step, None)
+        if self.writer:
+            self._catch_up_fleet()
 
     def _catch_up_fleet(self) -> None:
         """Load the newest published version into replicas that serve an older one.
@@ -151,37 +169,43 @@ class TrainingService:
         return self.trainer.step + 1
 
     def run_step(self, step: int) -> StepOutcome:
-        """Train on the committed batch of `step`, publish policy version `step`, sync, record."""
+        """Train on the committed batch of `step`, publish policy version `step`, sync, record (every rank
+        calls it; the writer publishes, records and syncs)."""
         if step != self.trainer.step + 1:
             raise ValueError(f"step {step} out of order: the trainer is at step {self.trainer.step}")
         batch = self.store.read_batch(step)
         figures = self.trainer.train_step(batch.trials, step=step)
-        if self.trainer.token_logprobs:
+        if self.writer and self.trainer.token_logprobs:
             # Per-token training log-probs for the UI's trajectory viewer (rollout vs. training).
             self.store.write_token_logprobs(step, self.trainer.token_logprobs)
         version = policy_version(step)
         outcome = StepOutcome(step=step, version=version, figures=figures)
         outcome.published = self._publish(version)
-        self.store.record_weights(version, step=step, sha256=outcome.published.sha256)
-        if self.sync is not None:
-            outcome.sync_seconds = self._sync_with_retries(outcome.published)
-            figures["sync_seconds"] = outcome.sync_seconds
+        if self.writer:
+            assert outcome.published is not None
+            self.store.record_weights(version, step=step, sha256=outcome.published.sha256)
+            if self.sync is not None:
+                outcome.sync_seconds = self._sync_with_retries(outcome.published)
+                figures["sync_seconds"] = outcome.sync_seconds
         if step % self.settings.checkpoint_interval == 0 or step == self.settings.max_steps:
-            info = self.checkpoints.save(step, self.trainer.state(), keep=self.settings.checkpoint_keep)
+            info = save_checkpoint(self.checkpoints, step, self.trainer, keep=self.settings.checkpoint_keep)
             outcome.checkpoint = info.uri
             figures["checkpoint"] = info.uri
-        self.store.write_metrics(step, _flat(figures))
-        self._write_state(step, outcome.checkpoint)
-        if self.telemetry is not None:
-            self.telemetry.record(step, figures)
-        log.info(
-            "step %d: reward %.3f, loss %.4g, fidelity %.5f, %s",
-            step,
-            figures.get("reward_mean", float("nan")),
-            figures.get("loss", float("nan")),
-            figures.get("fidelity_pearson", float("nan")),
-            figures.get("skipped", "updated"),
-        )
+        if self.writer:
+            self.store.write_metrics(step, _flat(figures))
+            self._write_state(step, outcome.checkpoint)
+            if self.telemetry is not None:
+                self.telemetry.record(step, figures)
+            log.info(
+                "step %d: reward %.3f, loss %.4g, fidelity %.5f, %s",
+                step,
+                figures.get("reward_mean", float("nan")),
+                figures.get("loss", float("nan")),
+                figures.get("fidelity_pearson", float("nan")),
+                figures.get("skipped", "updated"),
+            )
+        # The fleet serves the new version (or the step failed on the writer) before anyone goes on.
+        parallel.broadcast(None)
         return outcome
 
     def _write_state(self, step: int, checkpoint: str | None) -> None:
@@ -195,7 +219,12 @@ class TrainingService:
             }
         )
 
-    def _publish(self, version: str) -> PublishedWeights:
+    def _publish(self, version: str) -> PublishedWeights | None:
+        """Export the weights (every rank takes part) and publish them (the writer; None elsewhere)."""
+        weights = self.trainer.hf_state_dict()
+        if not self.writer:
+            return None
+        assert weights is not None
         target = self.store.local_path(self.store.weights_path(version))
         if target is None:
             raise SettingsError(f"run store {self.settings.store_uri} has no local path for weights")
@@ -204,39 +233,67 @@ class TrainingService:
             # replaced rather than trusted.
             log.warning("replacing unrecorded weights of %s left by an earlier crash", version)
             shutil.rmtree(target)
-        return publish_weights(
-            self.trainer.hf_state_dict(), Path(target), version=version, source_dir=self.trainer.source_dir
-        )
+        return publish_weights(weights, Path(target), version=version, source_dir=self.trainer.source_dir)
+
+    def _next(self, limit: int | None) -> tuple[str, Any]:
+        """The writer's decision of what every rank does next: ("stop", None), ("step", n),
+        ("score", [request ids]) or ("wait", None)."""
+        if not self.writer:
+            decision: tuple[str, Any] = parallel.broadcast(None)
+            return decision
+        step = self.next_step()
+        if self.stop.is_set() or (limit is not None and self.trainer.step >= limit):
+            decision = ("stop", None)
+        elif step in self.store.committed_steps():
+            decision = ("step", step)
+        else:
+            try:
+                pending = self.store.scoring_requests()
+            except (StoreError, OSError) as exc:
+                log.warning("could not list scoring requests: %s", exc)
+                pending = []
+            decision = ("score", pending) if pending else ("wait", None)
+        shared: tuple[str, Any] = parallel.broadcast(decision)
+        return shared
 
     def run(self, *, max_steps: int | None = None, wait: bool = True, poll_seconds: float = 1.0) -> list[int]:
         """Train every committed step in order until `max_steps` (default: the run's), or `stop` is set.
 
-        With `wait=False` it returns once no further batch is committed.
+        With `wait=False` it returns once no further batch is committed. Every rank calls it; the writer's
+        view of the store (and its stop signal) decides for all.
         """
         limit = max_steps if max_steps is not None else self.settings.max_steps
         done: list[int] = []
-        while not self.stop.is_set() and (limit is None or self.trainer.step < limit):
-            step = self.next_step()
-            if step not in self.store.committed_steps():
-                self.serve_scoring()
-                if not wait:
-                    break
-                self.stop.wait(poll_seconds)
+        while True:
+            action, arg = self._next(limit)
+            if action == "stop":
+                break
+            if action == "step":
+                self.run_step(int(arg))
+                done.append(int(arg))
                 continue
-            self.run_step(step)
-            done.append(step)
+            if action == "score":
+                self._score(list(arg))
+            if not wait:
+                break
+            if action == "wait":
+                self.stop.wait(poll_seconds)
         return done
 
     def serve_scoring(self) -> list[str]:
         """Answer the canary's scoring requests (`RunStore.request_scoring`) with the weights held now:
         `ScoredBatch.fidelity()` of the request's trials and the policy version those weights are. Served
         between steps, so the answer is always about one version. A request that cannot be scored gets an
-        `error` answer; training goes on either way."""
-        try:
-            pending = self.store.scoring_requests()
-        except (StoreError, OSError) as exc:
-            log.warning("could not list scoring requests: %s", exc)
-            return []
+        `error` answer; training goes on either way. Every rank calls it."""
+        pending: list[str] = []
+        if self.writer:
+            try:
+                pending = self.store.scoring_requests()
+            except (StoreError, OSError) as exc:
+                log.warning("could not list scoring requests: %s", exc)
+        return self._score(parallel.broadcast(pending))
+
+    def _score(self, pending: list[str]) -> list[str]:
         answered = []
         for request in pending:
             version = policy_version(self.trainer.step)
@@ -247,11 +304,13 @@ class TrainingService:
                 figures = self.trainer.score_trials(records).fidelity()
                 answer.update({k: (v if math.isfinite(v) else None) for k, v in figures.items()})
             except Exception as exc:
-                log.exception("scoring request %s failed", request)
+                if self.writer:
+                    log.exception("scoring request %s failed", request)
                 answer["error"] = f"{type(exc).__name__}: {exc}"[:2000]
             answer["seconds"] = round(time.perf_counter() - started, 3)
-            self.store.answer_scoring(request, answer)
-            log.info("answered scoring request %s with %s: %s", request, version, answer)
+            if self.writer:
+                self.store.answer_scoring(request, answer)
+                log.info("answered scoring request %s with %s: %s", request, version, answer)
             answered.append(request)
         return answered
 

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from legorl.api.kinds import RLRun
+from legorl.api.layout import ModelShape, ParallelLayout
 from legorl.api.termination import TerminationReason
 
 AlgorithmName = Literal["GRPO", "GSPO", "PPO"]
@@ -63,16 +64,22 @@ class TrainerSettings(BaseModel):
     """Policy versions a trial may lag the trainer (Sync: 0; Async: the spec's limit); None = no limit."""
 
     # Trainer.
-    dtype: Literal["bfloat16", "float32"] = "float32"
+    dtype: Literal["bfloat16", "float32", "float64"] = "float32"
+    """Model dtype. The RLRun offers bfloat16 and float32; float64 exists for exactness tests (layouts
+    compared without fp32 rounding: tests/test_trainer_parallel.py)."""
     routing_replay: Literal["Auto", "Enabled", "Disabled"] = "Auto"
     recompute: Literal["none", "selective", "full"] = "none"
     max_tokens_per_micro_batch: Annotated[int, Field(ge=16)] = 16_384
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     warmup_steps: Annotated[int, Field(ge=0)] = 0
+    nodes: Annotated[int, Field(ge=1)] = 1
+    ranks_per_node: Annotated[int, Field(ge=1)] = 1
+    """Trainer processes per node (one per GPU; gloo ranks on CPU)."""
     tensor_parallel: Annotated[int, Field(ge=1)] = 1
     pipeline_parallel: Annotated[int, Field(ge=1)] = 1
     expert_parallel: Annotated[int, Field(ge=1)] = 1
+    context_parallel: Annotated[int, Field(ge=1)] = 1
     moe_token_dispatcher: Literal["allgather", "alltoall"] = "allgather"  # noqa: S105 -- not a secret
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
@@ -136,9 +143,12 @@ class TrainerSettings(BaseModel):
             grad_clip=_num(spec.trainer.grad_clip),
             weight_decay=_num(spec.trainer.weight_decay),
             warmup_steps=spec.trainer.warmup_steps,
+            nodes=par.nodes,
+            ranks_per_node=par.layout().ranks_per_node,
             tensor_parallel=par.tensor,
             pipeline_parallel=par.pipeline,
             expert_parallel=par.expert,
+            context_parallel=par.context,
             # The alltoall dispatcher is the GPU path (CUDA streams); allgather works everywhere.
             moe_token_dispatcher="alltoall" if par.gpus_per_node > 0 else "allgather",
             device=device if device != "auto" else ("cpu" if par.gpus_per_node == 0 else "auto"),
@@ -152,30 +162,39 @@ class TrainerSettings(BaseModel):
             seed=spec.tasks.seed,
         )
 
-    def check_supported(self, world_size: int = 1) -> None:
-        """Refuse layouts this trainer build cannot run, before any heavy import."""
-        if world_size != 1:
-            raise SettingsError(
-                f"{world_size} trainer ranks: this trainer build trains on one rank (no data-parallel "
-                "gradient reduction yet); set trainer.parallelism to nodes 1 and gpusPerNode 1 (or 0 for CPU)"
-            )
-        if self.tensor_parallel != 1 or self.expert_parallel != 1:
-            raise SettingsError(
-                f"trainer.parallelism tensor={self.tensor_parallel}, expert={self.expert_parallel}: this "
-                "trainer build converts HF weights for one rank only; set both to 1 (the model must fit "
-                "one GPU) until sharded conversion lands"
+    @property
+    def layout(self) -> ParallelLayout:
+        """The ranks and megatron parallel sizes this trainer runs with."""
+        return ParallelLayout(
+            nodes=self.nodes,
+            ranks_per_node=self.ranks_per_node,
+            tensor=self.tensor_parallel,
+            pipeline=self.pipeline_parallel,
+            expert=self.expert_parallel,
+            context=self.context_parallel,
+            gpus_per_node=0 if self.device == "cpu" else self.ranks_per_node,
+        )
+
+    def check_supported(self, world_size: int | None = None, model: ModelShape | None = None) -> None:
+        """Refuse what this trainer cannot run, before any heavy import: a layout the ranks or the model
+        cannot take (`model`: the checkpoint's shape, when known), a launch with another number of ranks than
+        the layout asks for (`world_size`: the launcher's, e.g. torchrun's WORLD_SIZE), nucleus sampling."""
+        layout = self.layout
+        problems = [str(p) for p in layout.problems(model)]
+        if world_size is not None and world_size != layout.world_size:
+            problems.append(
+                f"spec.trainer.parallelism: the layout asks for {layout.world_size} ranks (nodes "
+                f"{layout.nodes} × {layout.ranks_per_node} per node) but {world_size} were started; "
+                f"launch with torchrun --nnodes={layout.nodes} --nproc-per-node={layout.ranks_per_node}"
             )
         if self.top_p != 1.0:
-            raise SettingsError(
-                f"algorithm.sampling.topP={self.top_p}: the trainer recomputes log-probs of the full "
+            problems.append(
+                f"spec.algorithm.sampling.topP={self.top_p}: the trainer recomputes log-probs of the full "
                 "temperature-scaled distribution; nucleus truncation would bias every importance weight. "
                 "Set topP to 1.0"
             )
-        if self.pipeline_parallel != 1:
-            raise SettingsError(
-                f"trainer.parallelism.pipeline={self.pipeline_parallel}: pipeline parallelism is not "
-                "supported yet; use tensor and expert parallelism"
-            )
+        if problems:
+            raise SettingsError("; ".join(problems))
 
 
 def _num(value: str) -> float:

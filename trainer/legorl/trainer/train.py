@@ -1,11 +1,19 @@
-"""One policy update: committed trials in, a better policy (and the step's figures) out.
+"""One policy update: committed trials in, a better policy (and the step's figures) out — on any layout.
 
-`PolicyTrainer` owns the Megatron model, the optimizer and the routing replayer. `train_step()` filters
-the trials (termination reason, staleness, zero-variance groups), computes group advantages, packs the
-segments into micro-batches, recomputes the sampled tokens' log-probabilities with the rollout's expert
-routing replayed, and takes one optimizer step on the clipped, importance-corrected policy loss. It
-measures rollout/training fidelity on the same forward pass it trains on, so the figure describes exactly
-the probabilities the gradient used.
+`PolicyTrainer` owns this rank's share of the Megatron model, its optimizer and the routing replayer.
+`train_step()` filters the trials (termination reason, staleness, zero-variance groups), computes group
+advantages, plans micro-batches for every data-parallel rank at once (`plan.py`), recomputes the sampled
+tokens' log-probabilities with the rollout's expert routing replayed — through the pipeline stages
+(`pipeline.py`), with the vocabulary split over the tensor ranks (`parallel.vocab_parallel_logprobs`) — and
+takes one optimizer step on the clipped, importance-corrected policy loss. It measures rollout/training
+fidelity on the same forward pass it trains on, so the figure describes exactly the probabilities the
+gradient used.
+
+Every rank runs the same code on the same committed batch: the filter, advantages and plan are the same
+everywhere, each data-parallel rank computes only its own rows, and the loss is normalised over the whole
+batch, so gradients sum. The step's figures are the batch's, whatever the layout: sums are all-reduced and
+per-token figures (fidelity, ESS) are computed by the writer (global rank 0) from every rank's tokens in one
+canonical order, then shared with every rank.
 
 Nothing here reads the environment or the run store: the service (`service.py`) feeds it batches and
 publishes what it returns.
@@ -13,12 +21,11 @@ publishes what it returns.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +35,12 @@ import torch
 
 from legorl.api.store import policy_version
 from legorl.api.trajectory import TrialRecord
-from legorl.trainer import compat, convert, data, loss, model, replay
-from legorl.trainer.settings import TrainerSettings
+from legorl.trainer import compat, convert, data, loss, model, parallel, pipeline, plan, replay
+from legorl.trainer.settings import SettingsError, TrainerSettings
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 @dataclass
@@ -63,22 +70,64 @@ def resolve_device(settings: TrainerSettings) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+@dataclass(frozen=True)
+class _Micro:
+    """One micro-batch of this rank, ready for the forward."""
+
+    batch: data.MicroBatch
+    replay: list[torch.Tensor] | None
+    """This rank's replay indices (its stage's MoE layers, its slice of the sequence); None: no replay."""
+    covered: torch.Tensor
+    """Bool [B, S]: the position's routing was recorded (and replayed)."""
+    on_policy: torch.Tensor
+    """Bool [B]: the row was sampled entirely by the version being trained (padding rows: False)."""
+
+    @property
+    def rows(self) -> int:
+        return int(self.batch.input_ids.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.batch.input_ids.shape[1])
+
+
+@dataclass
+class _TokenRecord:
+    """What one trained sequence contributes to the per-token figures (numpy, gathered to the writer)."""
+
+    key: tuple[str, int]
+    """(trial, segment index)."""
+    logp: np.ndarray
+    """Float32 [n−1]: the trainer's log-prob of tokens 1..n−1 before the step's first update."""
+    behavior: np.ndarray
+    mask: np.ndarray
+    """Bool [n−1]: trained on."""
+    weights: np.ndarray
+    covered: np.ndarray
+    on_policy: bool
+
+
 class PolicyTrainer:
-    """The policy model, its optimizer and one update step."""
+    """This rank's share of the policy model, its optimizer and one update step."""
 
     def __init__(self, settings: TrainerSettings, *, checkpoint_dir: Path | None = None) -> None:
         self.settings = settings
         self.device = resolve_device(settings)
         if self.device.type == "cpu":
             compat.enable_cpu_compat()
+        layout = settings.layout
         model.init_distributed(
             tensor_model_parallel_size=settings.tensor_parallel,
             pipeline_model_parallel_size=settings.pipeline_parallel,
             expert_model_parallel_size=settings.expert_parallel,
         )
+        self.ranks = parallel.Ranks.current()
         source = Path(checkpoint_dir or settings.checkpoint_dir)
         self.source_dir = source
         self.arch = model.MoeArchitecture.from_hf(source)
+        settings.check_supported(world_size=self.ranks.world, model=self.arch.shape())
+        if self.ranks.world != layout.world_size:  # check_supported said so; keep mypy and readers sure
+            raise SettingsError(f"{self.ranks.world} ranks for a layout of {layout.world_size}")
         self.replay_enabled = replay.resolve_routing_replay(settings.routing_replay, self.arch)
         self.dtype = DTYPES[settings.dtype]
         torch.manual_seed(settings.seed)
@@ -93,13 +142,15 @@ class PolicyTrainer:
         if self.replay_enabled:
             replay.check_replay_active(self.model, self.arch)
         self.replayer = replay.RouterReplayer(self.model)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.columns = replay.stage_columns(self.model, self.arch) if self.arch.is_moe else []
+        self.named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in self.named]
         # bf16 parameters cannot hold an RL-sized update (1e-6 relative is far below bf16's resolution: one
         # AdamW step changes ~0.04% of them), so the optimizer keeps fp32 master weights and the model gets
         # each step's result rounded back into its own dtype.
         self.masters: list[torch.nn.Parameter] | None = (
             [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
-            if self.dtype != torch.float32
+            if self.dtype in (torch.bfloat16, torch.float16)
             else None
         )
         self.optimizer = torch.optim.AdamW(
@@ -112,10 +163,10 @@ class PolicyTrainer:
         self.step = 0
         """Last completed step; the policy it produced is version `step`."""
         self.token_logprobs: dict[tuple[str, int], list[float | None]] = {}
-        """The last step's training log-prob of every trained token, by (trial, segment index): the
-        probabilities of the weights before the step's first update (the ones its importance ratios and
-        fidelity figures compare with the engine's), aligned to the segment's tokens (None where a token
-        was not trained on)."""
+        """On the writer: the last step's training log-prob of every trained token, by (trial, segment
+        index): the probabilities of the weights before the step's first update (the ones its importance
+        ratios and fidelity figures compare with the engine's), aligned to the segment's tokens (None where
+        a token was not trained on). Empty on the other ranks."""
 
     def _build(self, source: Path, *, routing_replay: bool) -> torch.nn.Module:
         net = model.build_model(
@@ -129,49 +180,205 @@ class PolicyTrainer:
         convert.load_hf_weights(net, source, self.arch)
         return net
 
+    # -- micro-batches and passes ----------------------------------------------------------------------
+
+    def _micro_batches(
+        self,
+        sequences: Sequence[data.TrainSequence],
+        on_policy: Sequence[bool] | None = None,
+        *,
+        plan_for: tuple[int, int, int] | None = None,
+    ) -> list[_Micro]:
+        """This rank's micro-batches of `sequences` (every rank plans all of them the same way).
+
+        With replay on, sequences without recorded routing never share a replayed micro-batch. Each
+        micro-batch's `seq_index` indexes `sequences`. `plan_for` = (data-parallel size, data rank, tensor
+        size) plans as another layout would (tests compare layouts on the same micro-batch shapes).
+        """
+        vocab = self.arch.vocab_size
+        for q in sequences:
+            if q.length and (int(q.token_ids.min()) < 0 or int(q.token_ids.max()) >= vocab):
+                # Every rank refuses the same batch: a bad id found by the first pipeline stage alone would
+                # leave the others waiting for its activations.
+                raise data.DataError(
+                    f"trial {q.trial_id} segment {q.segment_index}: token ids outside the model's vocabulary "
+                    f"[0, {vocab}) (was it sampled by another model?)"
+                )
+        data_size, data_rank, multiple = plan_for or (
+            self.ranks.data_size,
+            self.ranks.data_rank,
+            self.ranks.tensor_size,
+        )
+        shares = [list(range(len(sequences)))]
+        if self.replay_enabled:
+            shares = [
+                [i for i, q in enumerate(sequences) if q.routed_experts is not None],
+                [i for i, q in enumerate(sequences) if q.routed_experts is None],
+            ]
+        out = []
+        for share in shares:
+            rounds = plan.plan_rounds(
+                [sequences[i].length for i in share],
+                max_tokens=self.settings.max_tokens_per_micro_batch,
+                data_parallel=data_size,
+                multiple_of=multiple,
+            )
+            for r in rounds:
+                members = [share[j] for j in r.members[data_rank]]
+                batch = plan.collate(sequences, members, rows=r.rows, width=r.width)
+                out.append(self._prepare(batch, on_policy))
+        return out
+
+    def _prepare(self, batch: data.MicroBatch, on_policy: Sequence[bool] | None) -> _Micro:
+        rows, width = batch.shape
+        flags = torch.tensor(
+            [i >= 0 and (on_policy is None or on_policy[i]) for i in batch.seq_index.tolist()],
+            dtype=torch.bool,
+        )
+        covered = torch.zeros(rows, width, dtype=torch.bool)
+        indices = None
+        if self.replay_enabled and any(r is not None for r in batch.routing):
+            per_layer, covered = replay.engine_to_megatron(batch.routing, width, self.arch)
+            indices = replay.stage_indices(
+                per_layer,
+                self.columns,
+                batch=rows,
+                tensor_rank=self.ranks.tensor_rank,
+                tensor_size=self.ranks.tensor_size,
+            )
+        return _Micro(batch=batch, replay=indices, covered=covered, on_policy=flags)
+
+    def _stage_forward(self, net: torch.nn.Module, micro: _Micro) -> torch.Tensor:
+        """This stage's forward of `micro`: vocabulary-split logits [B, S, V/TP] on the last stage, the
+        activations to hand on elsewhere."""
+        if net is self.model and self.replay_enabled:
+            if micro.replay is not None:
+                self.replayer.replay(micro.replay)
+            else:
+                self.replayer.route_normally()
+        batch = micro.batch
+        rows, width = batch.shape
+        ids = batch.input_ids.to(self.device)
+        positions = torch.arange(width, device=self.device).unsqueeze(0).expand(rows, width)
+        mask, _ = model.attention_masks(rows, width, batch.lengths, self.device)
+        # No padding mask: megatron's MoE layers use it only for auxiliary losses, which legorl turns off.
+        output: torch.Tensor = net(ids, positions, mask, runtime_gather_output=False)
+        return output
+
+    def _pass(
+        self,
+        micros: Sequence[_Micro],
+        loss_fn: Callable[[int, torch.Tensor], torch.Tensor | None],
+        *,
+        train: bool,
+        net: torch.nn.Module | None = None,
+    ) -> None:
+        """Every micro-batch through this stage (the pipeline schedule), forward and backward with `train`."""
+        net = net if net is not None else self.model
+        hidden = self.arch.hidden_size
+        split = self.ranks.tensor_size
+
+        def shape_of(i: int) -> tuple[int, ...]:
+            return (micros[i].width // split, micros[i].rows, hidden)
+
+        replaying = net is self.model and self.replay_enabled
+        if replaying:
+            self.replayer.clear()
+        try:
+            pipeline.run(
+                net,
+                len(micros),
+                shape_of=shape_of,
+                forward=lambda i: self._stage_forward(net, micros[i]),
+                loss=loss_fn,
+                train=train,
+                before_backward=(lambda i: self.replayer.backward_of(micros[i].replay is not None))
+                if replaying
+                else None,
+                dtype=self.dtype,
+                device=self.device,
+            )
+        finally:
+            if replaying:
+                self.replayer.clear()
+
+    def _logprobs(self, logits: torch.Tensor, micro: _Micro) -> tuple[torch.Tensor, torch.Tensor]:
+        return parallel.vocab_parallel_logprobs(
+            logits, micro.batch.targets.to(self.device), temperature=self.settings.temperature
+        )
+
+    def _forward_logprobs(
+        self, micros: Sequence[_Micro], net: torch.nn.Module | None = None
+    ) -> list[torch.Tensor]:
+        """Each micro-batch's log-probs [B, S] without a gradient (on the last stage; empty elsewhere)."""
+        got: dict[int, torch.Tensor] = {}
+
+        def keep(i: int, logits: torch.Tensor) -> None:
+            got[i] = self._logprobs(logits, micros[i])[0].detach()
+
+        self._pass(micros, keep, train=False, net=net)
+        return [got[i] for i in range(len(micros))] if self.ranks.last_stage else []
+
     # -- scoring ---------------------------------------------------------------------------------------
 
-    def _forward(
-        self, micro: data.MicroBatch, *, grad: bool, net: torch.nn.Module | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probs and entropy of the micro-batch's targets, and which tokens had replayed routing."""
-        net = net if net is not None else self.model
-        use_replay = net is self.model and self.replay_enabled and any(r is not None for r in micro.routing)
-        covered = torch.zeros(micro.input_ids.shape, dtype=torch.bool)
-        if net is self.model:
-            # The reference model has no replaying routers; clearing here before its forward would wipe
-            # the policy's queued indices that recomputation pops during backward.
-            self.replayer.clear()
-        if use_replay:
-            indices, covered = replay.engine_to_megatron(micro.routing, micro.input_ids.shape[1], self.arch)
-            self.replayer.replay(indices)
-        input_ids = micro.input_ids.to(self.device)
-        with torch.set_grad_enabled(grad):
-            logits = model.forward_logits(net, input_ids, micro.lengths.to(self.device))
-            if self.settings.temperature != 1.0:
-                # The engine reports log-probs of the distribution it sampled from (logits / T).
-                logits = logits / self.settings.temperature
-            logp = model.token_logprobs(logits, micro.targets.to(self.device))
-            ent = model.entropy(logits) if grad else torch.zeros_like(logp)
-        return logp, ent, covered
-
     @torch.no_grad()
-    def score(self, micro_batches: Sequence[data.MicroBatch]) -> ScoredBatch:
-        """Training log-probs (with replay when enabled) of the micro-batches' loss tokens; no update."""
-        train, behavior, replayed = [], [], []
-        for micro in micro_batches:
-            logp, _, covered = self._forward(micro, grad=False)
-            self.replayer.clear()
-            mask = micro.loss_mask.bool()
-            train.append(logp.float().cpu()[mask])
-            behavior.append(micro.behavior_logprobs[mask])
-            replayed.append(covered[mask])
-        return ScoredBatch(torch.cat(train), torch.cat(behavior), torch.cat(replayed))
+    def score(self, micros: Sequence[_Micro], sequences: Sequence[data.TrainSequence]) -> ScoredBatch:
+        """Training log-probs (with replay when enabled) of the micro-batches' loss tokens; no update. The
+        same ScoredBatch on every rank (tokens in (trial, segment) order)."""
+        records = self._token_records(micros, self._forward_logprobs(micros), sequences)
+        gathered = parallel.gather_objects(records)
+        scored = None
+        if gathered is not None:
+            ordered = sorted((r for part in gathered for r in part), key=lambda r: r.key)
+            scored = ScoredBatch(
+                torch.from_numpy(
+                    np.concatenate([r.logp[r.mask] for r in ordered] or [np.zeros(0, np.float32)])
+                ),
+                torch.from_numpy(
+                    np.concatenate([r.behavior[r.mask] for r in ordered] or [np.zeros(0, np.float32)])
+                ),
+                torch.from_numpy(np.concatenate([r.covered[r.mask] for r in ordered] or [np.zeros(0, bool)])),
+            )
+        shared: ScoredBatch = parallel.broadcast(scored)
+        return shared
 
     def score_trials(self, trials: Sequence[TrialRecord]) -> ScoredBatch:
-        """`score()` of every segment of `trials`, packed as a training step would pack them."""
+        """`score()` of every segment of `trials`, planned as a training step would plan them."""
         sequences = data.sequences_from_trials(trials, {t.trial: 0.0 for t in trials})
-        return self.score(self._pack(sequences))
+        return self.score(self._micro_batches(sequences), sequences)
+
+    def _token_records(
+        self,
+        micros: Sequence[_Micro],
+        logps: Sequence[torch.Tensor],
+        sequences: Sequence[data.TrainSequence],
+        weights: Sequence[torch.Tensor] | None = None,
+    ) -> list[_TokenRecord]:
+        """This rank's per-token contributions (only one rank per data-parallel replica reports)."""
+        if not self.ranks.reports_tokens:
+            return []
+        out = []
+        for index, (micro, logp) in enumerate(zip(micros, logps, strict=True)):
+            batch = micro.batch
+            cpu = logp.float().cpu().numpy()
+            w = weights[index].float().cpu().numpy() if weights is not None else np.ones_like(cpu)
+            for row, i in enumerate(batch.seq_index.tolist()):
+                if i < 0:
+                    continue
+                n = int(batch.lengths[row])
+                seq = sequences[i]
+                out.append(
+                    _TokenRecord(
+                        key=(seq.trial_id, seq.segment_index),
+                        logp=cpu[row, :n].copy(),
+                        behavior=batch.behavior_logprobs[row, :n].numpy().copy(),
+                        mask=batch.loss_mask[row, :n].numpy() > 0,
+                        weights=w[row, :n].copy(),
+                        covered=micro.covered[row, :n].numpy().copy(),
+                        on_policy=bool(micro.on_policy[row]),
+                    )
+                )
+        return out
 
     # -- the update ------------------------------------------------------------------------------------
 
@@ -184,9 +391,10 @@ class PolicyTrainer:
     def train_step(self, trials: Sequence[TrialRecord], *, step: int | None = None) -> dict[str, Any]:
         """One optimizer step on `trials` (the batch of step `step`, sampled with policy `step - 1`).
 
-        Returns the step's figures (loss, reward, fidelity, importance weights, clipping, grad norm,
-        entropy, throughput, filter counts). A batch with nothing left to train on after filtering skips
-        the optimizer step and says so in `skipped`.
+        Every rank calls it with the same trials. Returns the step's figures (loss, reward, fidelity,
+        importance weights, clipping, grad norm, entropy, throughput, filter counts), the same on every
+        rank. A batch with nothing left to train on after filtering skips the optimizer step and says so in
+        `skipped`.
         """
         s = self.settings
         step = self.step + 1 if step is None else step
@@ -216,14 +424,16 @@ class PolicyTrainer:
             "reward_mean_all": float(np.mean(rewards_all)) if rewards_all else math.nan,
         }
         mini_sequences = self._sequences(kept, figures, step) if kept else []
-        minis = [self._pack(seqs) for seqs in mini_sequences]
         # Fidelity compares the engine's and the trainer's probabilities of one policy: only segments
         # sampled entirely by the version being trained (v<step-1>) count. Stale ones (async mode)
         # differ by the updates in between, which is staleness, not infidelity.
         current = policy_version(step - 1)
-        on_policy = [[q.policy_versions == (current,) for q in seqs] for seqs in mini_sequences]
-        micro_batches = [m for mini in minis for m in mini]
-        if not any(m.num_loss_tokens for m in micro_batches):
+        minis = [
+            self._micro_batches(seqs, [q.policy_versions == (current,) for q in seqs])
+            for seqs in mini_sequences
+        ]
+        loss_tokens = [sum(q.num_loss_tokens for q in seqs) for seqs in mini_sequences]
+        if not sum(loss_tokens):
             figures["skipped"] = "no trials left after filtering" if not kept else "no sampled tokens"
             figures["step_seconds"] = time.perf_counter() - started
             self.step = step
@@ -234,29 +444,39 @@ class PolicyTrainer:
         # With one mini-batch the "old" policy is the one being trained (ratio 1, its gradient is the
         # policy gradient). With several, later mini-batches are off-policy: their ratio is taken against
         # the log-probs every micro-batch had before the first update.
-        olds = None if len(minis) == 1 else [self._forward(m, grad=False)[0].detach() for m in micro_batches]
-        acc = _Accumulator(loss_tokens=sum(m.num_loss_tokens for m in micro_batches), minis=len(minis))
-        norms, start = [], 0
-        for index, mini in enumerate(minis):
-            old = olds[start : start + len(mini)] if olds is not None else None
-            start += len(mini)
-            captured = len(acc.old)
-            self._accumulate_gradients(mini, acc, old, on_policy[index])
-            self.token_logprobs.update(_per_token(mini, acc.old[captured:], mini_sequences[index]))
+        olds = None if len(minis) == 1 else [self._forward_logprobs(m) for m in minis]
+        refs = (
+            [self._forward_logprobs(m, net=self.reference) for m in minis]
+            if self.reference is not None
+            else None
+        )
+        acc = _Accumulator(minis=len(minis))
+        norms = []
+        for index, micros in enumerate(minis):
+            seqs = mini_sequences[index]
+            normalizer = float(loss_tokens[index] if s.loss_aggregation == "TokenMean" else len(seqs))
+            captured = self._accumulate_gradients(
+                micros,
+                acc,
+                normalizer=normalizer,
+                olds=olds[index] if olds is not None else None,
+                refs=refs[index] if refs is not None else None,
+            )
+            acc.records += self._token_records(micros, captured.old, seqs, captured.weights)
             grad_norm = self._optimizer_step()
             norms.append(grad_norm)
             if not math.isfinite(grad_norm):
                 figures["skipped"] = f"non-finite gradient norm ({grad_norm})"
         elapsed = time.perf_counter() - started
-        figures.update(acc.figures())
+        figures.update(self._figures(acc, loss_tokens=sum(loss_tokens)))
         figures.update(
             grad_norm=float(np.mean(norms)),
             kl_ref=figures.get("kl_ref") if self.reference is not None else None,
             mini_batches=len(minis),
-            micro_batches=len(micro_batches),
-            tokens_per_second=acc.tokens_through / elapsed if elapsed > 0 else None,
+            micro_batches=sum(len(m) for m in minis),
             step_seconds=elapsed,
         )
+        figures["tokens_per_second"] = figures.pop("tokens_through") / elapsed if elapsed > 0 else None
         self.step = step
         return figures
 
@@ -276,7 +496,7 @@ class PolicyTrainer:
             # Enabled means every trained token is routed as the engine routed it: segments the
             # engine returned no routing for leave the loss (counted) instead of training unreplayed.
             unrouted = [q for q in sequences if q.routed_experts is None]
-            if unrouted:
+            if unrouted and self.ranks.writer:
                 log.error(
                     "routingReplay Enabled, but %d of %d segments carry no routed experts (is the "
                     "fleet's routedExpertsCapture on?): left out of the loss (step %d)",
@@ -284,62 +504,42 @@ class PolicyTrainer:
                     len(sequences),
                     step,
                 )
-                sequences = [q for q in sequences if q.routed_experts is not None]
+            sequences = [q for q in sequences if q.routed_experts is not None]
             figures["dropped_unrouted_segments"] = len(unrouted)
         size = math.ceil(len(sequences) / s.mini_batches) if sequences else 1
         return [sequences[i : i + size] for i in range(0, len(sequences), size)]
 
-    def _optimizer_step(self) -> float:
-        """Clip, step (through the fp32 masters when the model is not fp32), clear; the grad norm.
-
-        A non-finite norm skips the update: one NaN would destroy the policy.
-        """
-        clip = self.settings.grad_clip if self.settings.grad_clip > 0 else math.inf
-        if self.masters is not None:
-            for param, master in zip(self.params, self.masters, strict=True):
-                master.grad = None if param.grad is None else param.grad.detach().float()
-            trained = [m for m in self.masters if m.grad is not None]
-        else:
-            trained = [p for p in self.params if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(trained, clip)) if trained else 0.0
-        if math.isfinite(norm):
-            self.optimizer.step()
-            if self.masters is not None:
-                with torch.no_grad():
-                    for param, master in zip(self.params, self.masters, strict=True):
-                        param.copy_(master)
-        self.optimizer.zero_grad(set_to_none=True)
-        for param in self.params:
-            param.grad = None
-        return norm
-
     def _accumulate_gradients(
         self,
-        micro_batches: Sequence[data.MicroBatch],
+        micros: Sequence[_Micro],
         acc: _Accumulator,
-        olds: Sequence[torch.Tensor] | None = None,
-        on_policy: Sequence[bool] | None = None,
-    ) -> None:
-        """Forward and backward every micro-batch of one mini-batch; gradients add up to its whole loss.
+        *,
+        normalizer: float,
+        olds: Sequence[torch.Tensor] | None,
+        refs: Sequence[torch.Tensor] | None,
+    ) -> _Captured:
+        """Forward and backward every micro-batch of one mini-batch; gradients add up to its whole loss
+        (normalised by `normalizer`: the mini-batch's trained tokens, or its sequences, over every rank).
 
-        `olds`: each micro-batch's log-probs before this step's first update (several mini-batches);
-        None when the mini-batch is the whole batch and the policy being trained is the old one.
-        `on_policy`: per sequence of the mini-batch (`MicroBatch.seq_index`), whether the version being
-        trained sampled it; only those tokens enter the fidelity figures (all when None).
+        `olds`: each micro-batch's log-probs before this step's first update (several mini-batches); None
+        when the mini-batch is the whole batch and the policy being trained is the old one. `refs`: the
+        frozen reference's log-probs (KL penalty). Both exist on the last stage only.
         """
         s = self.settings
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = sum(m.num_loss_tokens for m in micro_batches)
-        total_seqs = sum(int(m.input_ids.shape[0]) for m in micro_batches)
-        normalizer = float(total_tokens if s.loss_aggregation == "TokenMean" else total_seqs)
-        for index, micro in enumerate(micro_batches):
-            logp, ent, covered = self._forward(micro, grad=True)
-            mask = micro.loss_mask.to(self.device)
-            old_logp = logp.detach() if olds is None else olds[index]
+        captured = _Captured([torch.empty(0)] * len(micros), [torch.empty(0)] * len(micros))
+        reporting = self.ranks.reports_tokens
+
+        def loss_fn(i: int, logits: torch.Tensor) -> torch.Tensor:
+            micro = micros[i]
+            batch = micro.batch
+            logp, ent = self._logprobs(logits, micro)
+            mask = batch.loss_mask.to(self.device)
+            old_logp = logp.detach() if olds is None else olds[i]
             weights, is_stats = loss.importance_weights(
                 old_logp,
-                micro.behavior_logprobs.to(self.device),
+                batch.behavior_logprobs.to(self.device),
                 mask,
                 mode=s.importance_mode,
                 cap=s.importance_cap,
@@ -347,7 +547,7 @@ class PolicyTrainer:
             total, stats = loss.policy_loss(
                 logp,
                 old_logp,
-                micro.advantages.to(self.device),
+                batch.advantages.to(self.device),
                 mask,
                 algorithm=s.algorithm,
                 clip_low=s.clip_low,
@@ -359,74 +559,223 @@ class PolicyTrainer:
             entropy = loss.aggregate(ent, mask, s.loss_aggregation, normalizer=normalizer)
             if s.entropy_coef > 0:
                 total = total - s.entropy_coef * entropy
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logp, _, _ = self._forward(micro, grad=False, net=self.reference)
+            if refs is not None:
                 kl = loss.aggregate(
-                    loss.kl_penalty(logp, ref_logp, mask), mask, s.loss_aggregation, normalizer=normalizer
+                    loss.kl_penalty(logp, refs[i], mask), mask, s.loss_aggregation, normalizer=normalizer
                 )
                 total = total + s.kl_coef * kl
-                acc.kl_ref += float(kl.detach()) / acc.minis
-            if self.replay_enabled:
-                self.replayer.before_backward()
-            torch.autograd.backward(total)
-            self.replayer.clear()
-            share = micro.num_loss_tokens / acc.loss_tokens
-            acc.loss += float(total.detach()) / acc.minis
-            acc.entropy += float(entropy.detach()) / acc.minis
-            acc.clip_fraction += float(stats["clip_fraction"]) * share
-            acc.capped_share += float(is_stats["capped_fraction"]) * share
-            keep = micro.loss_mask.bool()
-            same = keep
-            if on_policy is not None:
-                rows = torch.tensor([on_policy[int(i)] for i in micro.seq_index], dtype=torch.bool)
-                same = keep & rows[:, None]
-            acc.old.append(old_logp.detach().float().cpu())
-            acc.train.append(old_logp.float().cpu()[same])
-            acc.behavior.append(micro.behavior_logprobs[same])
-            acc.replayed.append(covered[keep])
-            acc.weights.append(weights.float().cpu()[keep])
-            acc.tokens_through += int(micro.lengths.sum())
+                if reporting:
+                    acc.kl_ref += float(kl.detach()) / acc.minis
+            if reporting:
+                tokens = float(batch.num_loss_tokens)
+                acc.loss += float(total.detach()) / acc.minis
+                acc.entropy += float(entropy.detach()) / acc.minis
+                # Counts, exactly (the stats are float32 fractions of this micro-batch's tokens).
+                acc.clipped += round(float(stats["clip_fraction"]) * tokens)
+                acc.capped += round(float(is_stats["capped_fraction"]) * tokens)
+                acc.tokens_through += int(batch.lengths.sum())
+            captured.old[i] = old_logp.detach()
+            captured.weights[i] = weights.detach()
+            return total
 
-    def _pack(self, sequences: Sequence[data.TrainSequence]) -> list[data.MicroBatch]:
-        """Micro-batches; with replay on, sequences without recorded routing never share a replayed one.
-        Every micro-batch's `seq_index` indexes `sequences` (not the routed or plain share of it)."""
-        budget = self.settings.max_tokens_per_micro_batch
-        if not self.replay_enabled:
-            return data.pack_micro_batches(list(sequences), budget)
-        routed = [i for i, q in enumerate(sequences) if q.routed_experts is not None]
-        plain = [i for i, q in enumerate(sequences) if q.routed_experts is None]
-        out = []
-        for share in (routed, plain):
-            for micro in data.pack_micro_batches([sequences[i] for i in share], budget):
-                index = torch.tensor([share[int(i)] for i in micro.seq_index], dtype=torch.long)
-                out.append(dataclasses.replace(micro, seq_index=index))
-        return out
+        self._pass(micros, loss_fn, train=True)
+        if not self.ranks.last_stage:
+            return _Captured([], [])
+        return captured
+
+    def _optimizer_step(self) -> float:
+        """Reduce the gradients over the layout, clip by the global norm, step (through the fp32 masters
+        when the model is not fp32), clear; the global grad norm.
+
+        Every trainable parameter takes part, with a zero gradient when no token reached it (an expert no
+        token was routed to), so every layout steps the same parameters the same way. A non-finite norm
+        skips the update: one NaN would destroy the policy.
+        """
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        parallel.reduce_gradients(self.model)
+        if self.masters is not None:
+            for param, master in zip(self.params, self.masters, strict=True):
+                master.grad = param.grad.detach().float()  # type: ignore[union-attr]
+            grads = [m.grad for m in self.masters]
+        else:
+            grads = [p.grad for p in self.params]
+        norm = parallel.global_grad_norm(self.named, grads)
+        clip = self.settings.grad_clip if self.settings.grad_clip > 0 else math.inf
+        if math.isfinite(norm):
+            # torch's clip_grad_norm_ rule, with the norm of the whole model.
+            coefficient = clip / (norm + 1e-6)
+            if coefficient < 1.0:
+                for grad in grads:
+                    if grad is not None:
+                        grad.mul_(coefficient)
+            self.optimizer.step()
+            if self.masters is not None:
+                with torch.no_grad():
+                    for param, master in zip(self.params, self.masters, strict=True):
+                        param.copy_(master)
+        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.params:
+            param.grad = None
+        return norm
+
+    def _figures(self, acc: _Accumulator, *, loss_tokens: int) -> dict[str, Any]:
+        """The step's figures over every rank: sums all-reduced, per-token figures from every rank's tokens
+        (in (trial, segment) order, so the same at every layout) computed on the writer and shared."""
+        sums = parallel.all_reduce_cpu(
+            torch.tensor(
+                [acc.loss, acc.entropy, acc.kl_ref, acc.clipped, acc.capped, float(acc.tokens_through)],
+                dtype=torch.float64,
+            )
+        ).tolist()
+        gathered = parallel.gather_objects(acc.records)
+        figures: dict[str, Any] | None = None
+        if gathered is not None:
+            ordered = sorted((r for part in gathered for r in part), key=lambda r: r.key)
+            on_policy = [r for r in ordered if r.on_policy]
+            train = _cat([r.logp[r.mask] for r in on_policy], np.float32)
+            behavior = _cat([r.behavior[r.mask] for r in on_policy], np.float32)
+            weights = _cat([r.weights[r.mask] for r in ordered], np.float32)
+            covered = _cat([r.covered[r.mask] for r in ordered], np.bool_)
+            fid = loss.fidelity_stats(
+                torch.from_numpy(train)[None], torch.from_numpy(behavior)[None], torch.ones(1, len(train))
+            )
+            figures = {
+                "loss": sums[0],
+                "entropy": sums[1],
+                "kl_ref": sums[2],
+                "clip_fraction": sums[3] / loss_tokens,
+                "is_capped_share": sums[4] / loss_tokens,
+                "is_ess": float(loss.effective_sample_size(torch.from_numpy(weights))),
+                "fidelity_pearson": fid["pearson"],
+                "fidelity_mean_abs_logprob_delta": fid["mean_abs_logprob_delta"],
+                "fidelity_max_abs_logprob_delta": fid["max_abs_logprob_delta"],
+                "fidelity_kl": fid["kl"],
+                "fidelity_tokens": int(fid["tokens"]),
+                "replayed_token_share": float(covered.mean()) if covered.size else 0.0,
+                "loss_tokens": loss_tokens,
+                "tokens_through": sums[5],
+            }
+            self.token_logprobs = {r.key: _aligned(r) for r in ordered}
+        shared: dict[str, Any] = parallel.broadcast(figures)
+        return shared
 
     # -- weights and state -----------------------------------------------------------------------------
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The current policy in Hugging Face layout (what the fleet loads)."""
-        return convert.export_hf_state_dict(self.model, self.arch)
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The current policy in Hugging Face layout (what the fleet loads), on the writer; None elsewhere.
+        A collective: every rank calls it."""
+        return convert.gather_hf_state_dict(self.model, self.arch)
 
-    def state(self) -> dict[str, Any]:
-        """Everything needed to continue exactly where this trainer is: model, optimizer, step, RNG."""
+    def _rng_state(self) -> dict[str, Any]:
         return {
-            "format": 1,
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "masters": [m.detach().clone() for m in self.masters] if self.masters is not None else None,
-            "optimizer": self.optimizer.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "numpy": _numpy_rng_state(),
-                "python": random.getstate(),
-            },
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "numpy": _numpy_rng_state(),
+            "python": random.getstate(),
         }
 
+    def _set_rng_state(self, rng: dict[str, Any]) -> None:
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        kind, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        random.setstate(rng["python"])
+
+    def checkpoint_keys(self) -> set[str]:
+        """The layout-independent names of the tensors this rank holds shards of."""
+        return {shard.key for shard in convert.parameter_shards(self.model, self.arch).values()}
+
+    def state(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint (format 2): the shards of the parameters it saves — every
+        tensor-parallel shard, each replicated tensor once, one data-parallel replica — with their fp32
+        masters and AdamW moments, the step and this rank's RNG. Tensors are CPU copies."""
+        shards = convert.parameter_shards(self.model, self.arch)
+        saved = {id(p) for p in parallel.counted_once(self.named)}
+        optimizer = self.optimizer.state_dict()["state"]
+        params: dict[str, Any] = {}
+        for index, (name, param) in enumerate(self.named):
+            if id(param) not in saved:
+                continue
+            shard = shards[name]
+            moments = optimizer.get(index, {})
+            params[shard.key] = {
+                "split": shard.split,
+                "parts": shard.parts,
+                "index": shard.index,
+                "value": param.detach().cpu().clone(),
+                "master": self.masters[index].detach().cpu().clone() if self.masters is not None else None,
+                "exp_avg": moments["exp_avg"].cpu() if "exp_avg" in moments else None,
+                "exp_avg_sq": moments["exp_avg_sq"].cpu() if "exp_avg_sq" in moments else None,
+                "adam_step": moments["step"].cpu() if "step" in moments else None,
+            }
+        return {
+            "format": 2,
+            "step": self.step,
+            "rank": self.ranks.rank,
+            "params": params,
+            "rng": self._rng_state(),
+        }
+
+    def load_sharded(
+        self, step: int, pieces: dict[str, list[dict[str, Any]]], *, rng: dict[str, Any] | None
+    ) -> None:
+        """Restore a format-2 checkpoint from `pieces` (by tensor key, every saved shard of it, from any
+        layout): each whole tensor assembled, this rank's shard of it taken. `rng`: this rank's own RNG
+        state when the checkpoint was saved at the same number of ranks (else the RNG stays as it is)."""
+        shards = convert.parameter_shards(self.model, self.arch)
+        moments: dict[int, dict[str, torch.Tensor]] = {}
+
+        def whole(saved: list[dict[str, Any]], field_name: str) -> torch.Tensor | None:
+            if saved[0][field_name] is None:
+                return None
+            ordered = sorted(saved, key=lambda piece: int(piece["index"]))
+            if [int(piece["index"]) for piece in ordered] != list(range(int(ordered[0]["parts"]))):
+                raise ValueError(f"the checkpoint holds shards {[p['index'] for p in ordered]} of a tensor")
+            full: torch.Tensor = convert.assemble(
+                [piece[field_name] for piece in ordered], ordered[0]["split"]
+            )
+            return full
+
+        with torch.no_grad():
+            for index, (name, param) in enumerate(self.named):
+                shard = shards[name]
+                saved = pieces[shard.key]
+
+                def mine(field_name: str, shard: convert.ParamShard = shard, saved: Any = saved) -> Any:
+                    full = whole(saved, field_name)
+                    return (
+                        None
+                        if full is None
+                        else convert.take_shard(full, shard.split, shard.parts, shard.index)
+                    )
+
+                value = mine("value")
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"{name}: the checkpoint's shard is {tuple(value.shape)}, "
+                        f"the model's {tuple(param.shape)}"
+                    )
+                param.copy_(value)
+                if self.masters is not None:
+                    master = mine("master")
+                    self.masters[index].copy_(master if master is not None else value.float())
+                if saved[0]["exp_avg"] is not None:
+                    moments[index] = {
+                        "step": saved[0]["adam_step"].clone(),
+                        "exp_avg": mine("exp_avg").clone(),
+                        "exp_avg_sq": mine("exp_avg_sq").clone(),
+                    }
+        state = self.optimizer.state_dict()
+        self.optimizer.load_state_dict({"state": moments, "param_groups": state["param_groups"]})
+        self.step = step
+        if rng is not None:
+            self._set_rng_state(rng)
+
     def load_state(self, state: dict[str, Any]) -> None:
-        """Restore what `state()` returned (same architecture and settings)."""
+        """Restore a format-1 checkpoint (one `trainer.pt` of an earlier one-rank trainer)."""
         if state.get("format") != 1:
             raise ValueError(f"unknown trainer checkpoint format {state.get('format')!r}")
         self.model.load_state_dict(state["model"])
@@ -438,13 +787,7 @@ class PolicyTrainer:
                     master.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        kind, keys, pos, has_gauss, cached = rng["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-        random.setstate(rng["python"])
+        self._set_rng_state(state["rng"])
 
 
 def _numpy_rng_state() -> tuple[str, torch.Tensor, int, int, float]:
@@ -460,61 +803,36 @@ def _numpy_rng_state() -> tuple[str, torch.Tensor, int, int, float]:
 
 
 @dataclass
-class _Accumulator:
-    """Running sums over a step's micro-batches and the per-token tensors the fidelity figures need."""
+class _Captured:
+    """Per micro-batch of one mini-batch, on the last stage: the pre-update log-probs and the IS weights."""
 
-    loss_tokens: int
+    old: list[torch.Tensor]
+    weights: list[torch.Tensor]
+
+
+@dataclass
+class _Accumulator:
+    """This rank's running sums over a step's micro-batches and its per-token records."""
+
     minis: int = 1
     """Mini-batches (optimizer steps) the figures average over."""
     loss: float = 0.0
     entropy: float = 0.0
     kl_ref: float = 0.0
-    clip_fraction: float = 0.0
-    capped_share: float = 0.0
+    clipped: float = 0.0
+    """Trained tokens whose clipped branch was active."""
+    capped: float = 0.0
+    """Trained tokens whose importance weight was truncated or masked."""
     tokens_through: int = 0
-    train: list[torch.Tensor] = field(default_factory=list)
-    behavior: list[torch.Tensor] = field(default_factory=list)
-    replayed: list[torch.Tensor] = field(default_factory=list)
-    weights: list[torch.Tensor] = field(default_factory=list)
-    old: list[torch.Tensor] = field(default_factory=list)
-    """Per micro-batch [B, S]: the log-probs before the step's first update (padding included)."""
-
-    def figures(self) -> dict[str, Any]:
-        train, behavior = torch.cat(self.train), torch.cat(self.behavior)
-        fid = loss.fidelity_stats(train[None], behavior[None], torch.ones_like(train)[None])
-        replayed = torch.cat(self.replayed)
-        return {
-            "loss": self.loss,
-            "entropy": self.entropy,
-            "kl_ref": self.kl_ref,
-            "clip_fraction": self.clip_fraction,
-            "is_capped_share": self.capped_share,
-            "is_ess": float(loss.effective_sample_size(torch.cat(self.weights))),
-            "fidelity_pearson": fid["pearson"],
-            "fidelity_mean_abs_logprob_delta": fid["mean_abs_logprob_delta"],
-            "fidelity_max_abs_logprob_delta": fid["max_abs_logprob_delta"],
-            "fidelity_kl": fid["kl"],
-            "fidelity_tokens": int(fid["tokens"]),
-            "replayed_token_share": float(replayed.float().mean()) if replayed.numel() else 0.0,
-            "loss_tokens": self.loss_tokens,
-        }
+    records: list[_TokenRecord] = field(default_factory=list)
 
 
-def _per_token(
-    micro_batches: Sequence[data.MicroBatch],
-    logps: Sequence[torch.Tensor],
-    sequences: Sequence[data.TrainSequence],
-) -> dict[tuple[str, int], list[float | None]]:
-    """Per-micro-batch [B, S] log-probs back onto their sequences' tokens: row r, position p predicted
-    token p+1 of sequence `seq_index[r]`; only trained tokens get a value."""
-    out: dict[tuple[str, int], list[float | None]] = {}
-    for micro, logp in zip(micro_batches, logps, strict=True):
-        for row, index in enumerate(micro.seq_index.tolist()):
-            seq = sequences[int(index)]
-            n = int(micro.lengths[row])
-            values = logp[row, :n].tolist()
-            mask = micro.loss_mask[row, :n].tolist()
-            tokens: list[float | None] = [None]  # token 0 is never predicted
-            tokens += [float(v) if m else None for v, m in zip(values, mask, strict=True)]
-            out[(seq.trial_id, seq.segment_index)] = tokens
-    return out
+def _cat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
+
+
+def _aligned(record: _TokenRecord) -> list[float | None]:
+    """A record's log-probs aligned to its segment's tokens (token 0 is never predicted; untrained: None)."""
+    return [None] + [
+        float(v) if m else None for v, m in zip(record.logp.tolist(), record.mask.tolist(), strict=True)
+    ]
