@@ -171,7 +171,8 @@ def expected_children(docs: list[dict[str, Any]], ctx: RenderContext) -> Expecte
         else:
             run = RLRun.model_validate(doc)
             assert run.spec.fleet_ref is not None
-            rendered = render_run(run, ctx, fleets[run.spec.fleet_ref.name].spec.port)
+            fleet = fleets[run.spec.fleet_ref.name].spec
+            rendered = render_run(run, ctx, fleet.port, fleet_sync=fleet.weight_sync.method)
         owner = owner_key(doc["kind"], doc["metadata"]["name"])
         out[owner] = {(o["kind"], o["metadata"]["name"]) for o in rendered}
     return out

@@ -513,11 +513,12 @@ def test_run_waits_for_its_fleet_and_pool_then_reports_the_missing_controller(en
     env.mock.create(pool)
     env.mock.create(evaluate)
     env.wait_condition("rlruns", "coder-grpo", "Validated", "True", "Valid")
-    kids = env.wait_children("rlrun.coder-grpo", 4)
+    kids = env.wait_children("rlrun.coder-grpo", 5)
     assert set(kids) == {
         ("ServiceAccount", "coder-grpo-trainer"),
         ("Service", "coder-grpo-trainer"),
         ("Job", "coder-grpo-trainer"),
+        ("NetworkPolicy", "coder-grpo-trainer"),
         ("NetworkPolicy", "coder-grpo-trials"),
     }
     job = kids[("Job", "coder-grpo-trainer")]

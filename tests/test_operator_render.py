@@ -9,6 +9,8 @@ tests/test_operator_render.py` and review the diff.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,6 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from legorl.api.fleet import WeightSync
 from legorl.api.kinds import KINDS, Resource, RLRun, RolloutFleet, SandboxPool
 from legorl.api.run import Harness
 from legorl.manifests.generated import to_yaml
@@ -24,7 +27,7 @@ from legorl.manifests.validate import validate_document
 from legorl.operator.render.common import HASH_ANNOTATION, RenderContext, TrialTracing, label_value, owner_key
 from legorl.operator.render.fleet import RenderError, render_fleet, vllm_args
 from legorl.operator.render.pool import PROXY_UID, TrialContext, render_pool, trial_pod, verify_pod
-from legorl.operator.render.run import render_run
+from legorl.operator.render.run import MASTER_PORT, WEIGHT_SYNC_PORT, WeightSyncMethod, render_run
 from legorl.operator.render.tree import PLACEHOLDER_UID, render_all
 from legorl.operator.settings import OperatorSettings, SettingsError, from_environment
 
@@ -445,7 +448,9 @@ def test_sandbox_network_policies_allow_dns_and_the_runs_fleet_only() -> None:
     assert pool_np["spec"]["ingress"] == []
     (dns,) = pool_np["spec"]["egress"]
     assert {p["port"] for p in dns["ports"]} == {53}
-    run_np = next(o for o in render_run(run, RenderContext(), 8000) if o["kind"] == "NetworkPolicy")
+    run_np = next(
+        o for o in render_run(run, RenderContext(), 8000) if o["metadata"]["name"] == "coder-grpo-trials"
+    )
     (rule,) = run_np["spec"]["egress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
     assert rule["to"][0]["podSelector"]["matchLabels"]["legorl.dev/owner"] == owner_key(
@@ -490,3 +495,239 @@ def test_nccl_weight_sync_opens_the_engines_to_trainers_on_any_port() -> None:
     serving = ingress("Filesystem")[0]
     components = [peer["podSelector"]["matchLabels"].get("legorl.dev/component") for peer in serving["from"]]
     assert components == ["trial", "trainer", None]
+
+
+def run_from(path: Path, name: str, **trainer: Any) -> RLRun:
+    """The RLRun `name` of an example, with `trainer.parallelism` fields changed."""
+    (run,) = [r for r in load(path) if isinstance(r, RLRun) and r.metadata.name == name]
+    par = run.spec.trainer.parallelism.model_copy(update=trainer)
+    spec = run.spec.model_copy(update={"trainer": run.spec.trainer.model_copy(update={"parallelism": par})})
+    return stored(run.model_copy(update={"spec": spec}))
+
+
+def child(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (found,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    return found
+
+
+def trainer_env(job: dict[str, Any]) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_trainer_job_runs_the_layouts_ranks_on_pods_that_resolve_each_other() -> None:
+    # A CPU trainer of 4 gloo ranks in one pod.
+    cpu = run_from(REPO / "examples/tiny-local.yaml", "tiny-local", processes_per_node=4, tensor=2)
+    objects = render_run(cpu, RenderContext(), 8000)
+    job = child(objects, "Job", "tiny-local-trainer")
+    env = trainer_env(job)
+    assert (env["NNODES"], env["NPROC_PER_NODE"]) == ("1", "4")
+    assert "nvidia.com/gpu" not in str(job["spec"]["template"]["spec"]["containers"][0]["resources"])
+    # Four GPU nodes of eight ranks each (one per GPU), rendezvous at index 0 through the headless Service.
+    gpu = run_from(REPO / "examples/gpu-swe-verified.yaml", "qwen35-a3b-claude-swe")
+    objects = render_run(gpu, RenderContext(), 8000)
+    name = "qwen35-a3b-claude-swe-trainer"
+    job, service = child(objects, "Job", name), child(objects, "Service", name)
+    env = trainer_env(job)
+    assert (env["NNODES"], env["NPROC_PER_NODE"]) == ("4", "8")
+    assert (job["spec"]["completions"], job["spec"]["parallelism"]) == (4, 4)
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (f"{name}-0.{name}", str(MASTER_PORT))
+    pod = job["spec"]["template"]
+    # An indexed Job's pods are named `<job>-<index>`: with `subdomain` = the Service, `<job>-0.<job>`
+    # resolves, also before the pod is ready (no rank is ready before the rendezvous).
+    assert (
+        job["spec"]["completionMode"] == "Indexed" and pod["spec"]["subdomain"] == service["metadata"]["name"]
+    )
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    for obj in objects:
+        check_upstream(obj)
+
+
+def test_nccl_weight_sync_gives_the_engines_the_writers_rendezvous() -> None:
+    def writer(run: RLRun, **kwargs: Any) -> tuple[dict[str, str | None], list[Any], list[Any]]:
+        objects = render_run(run, RenderContext(), 8000, **kwargs)
+        name = f"{run.metadata.name}-trainer"
+        job = child(objects, "Job", name)
+        ports = job["spec"]["template"]["spec"]["containers"][0]["ports"]
+        service_ports = child(objects, "Service", name)["spec"]["ports"]
+        return trainer_env(job), [(p["name"], p["containerPort"]) for p in ports], service_ports
+
+    # The inline fleet of the GPU example syncs over NCCL.
+    env, ports, service_ports = writer(
+        run_from(REPO / "examples/gpu-swe-verified.yaml", "qwen35-a3b-claude-swe")
+    )
+    name = "qwen35-a3b-claude-swe-trainer"
+    assert env["LEGORL_WEIGHT_SYNC_ADDRESS"] == f"{name}-0.{name}.rl-research.svc"
+    assert env["LEGORL_WEIGHT_SYNC_PORT"] == str(WEIGHT_SYNC_PORT)
+    assert ports == [("rendezvous", MASTER_PORT), ("weight-sync", WEIGHT_SYNC_PORT)]
+    assert {"name": "weight-sync", "port": WEIGHT_SYNC_PORT, "protocol": "TCP"} in service_ports
+    # A referenced fleet: its method comes from the caller (the fleet object), Filesystem when not given.
+    shared = run_from(REPO / "examples/shared-fleet-and-pool.yaml", "coder-grpo")
+    env, ports, service_ports = writer(shared)
+    assert "LEGORL_WEIGHT_SYNC_ADDRESS" not in env and ports == [("rendezvous", MASTER_PORT)]
+    assert [p["name"] for p in service_ports] == ["rendezvous"]
+    env, ports, _ = writer(shared, fleet_sync="NCCL")
+    assert env["LEGORL_WEIGHT_SYNC_ADDRESS"] == "coder-grpo-trainer-0.coder-grpo-trainer.rl-research.svc"
+    # `legorl render` reads it from the fleet given alongside.
+    fleet, pool, train, _ = load(REPO / "examples/shared-fleet-and-pool.yaml")
+    assert isinstance(fleet, RolloutFleet)
+    nccl = fleet.model_copy(
+        update={
+            "spec": fleet.spec.model_copy(
+                update={"weight_sync": fleet.spec.weight_sync.model_copy(update={"method": "NCCL"})}
+            )
+        }
+    )
+    rendered = render_all([train], RenderContext(), others=[nccl, pool])
+    assert "LEGORL_WEIGHT_SYNC_PORT" in trainer_env(child(rendered, "Job", "coder-grpo-trainer"))
+
+
+@dataclass(frozen=True)
+class FakePod:
+    namespace: str
+    labels: Mapping[str, str]
+
+
+def _selects(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # what the renderers use
+    return dict(selector.get("matchLabels", {})).items() <= labels.items()
+
+
+def _peer_matches(peer: Mapping[str, Any], pod: FakePod, policy_namespace: str) -> bool:
+    if "ipBlock" in peer:
+        return False
+    namespaces = peer.get("namespaceSelector")
+    in_namespace = (
+        pod.namespace == policy_namespace
+        if namespaces is None
+        else _selects(namespaces, {"kubernetes.io/metadata.name": pod.namespace})
+    )
+    return in_namespace and _selects(peer.get("podSelector", {}), pod.labels)
+
+
+def _side_allows(
+    policies: list[dict[str, Any]], pod: FakePod, peer: FakePod, *, port: int, protocol: str, direction: str
+) -> bool:
+    """NetworkPolicy semantics for one side: no policy of that direction selects `pod`, or a rule admits."""
+    key, peers = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    applying = [
+        p
+        for p in policies
+        if p["metadata"]["namespace"] == pod.namespace
+        and direction in p["spec"]["policyTypes"]
+        and _selects(p["spec"]["podSelector"], pod.labels)
+    ]
+    if not applying:
+        return True
+    return any(
+        all(k in {"from", "to", "ports"} for k in rule)
+        and any(_peer_matches(other, peer, p["metadata"]["namespace"]) for other in rule.get(peers, [{}]))
+        and (
+            not rule.get("ports")
+            or any(
+                q.get("protocol", "TCP") == protocol and q.get("port", port) == port for q in rule["ports"]
+            )
+        )
+        for p in applying
+        for rule in p["spec"].get(key, [])
+    )
+
+
+def reachable(
+    policies: list[dict[str, Any]], src: FakePod, dst: FakePod, port: int, protocol: str = "TCP"
+) -> bool:
+    """Whether `src` may open a connection to `dst` on `port` (egress of src and ingress of dst)."""
+    return _side_allows(
+        policies, src, dst, port=port, protocol=protocol, direction="Egress"
+    ) and _side_allows(policies, dst, src, port=port, protocol=protocol, direction="Ingress")
+
+
+def network(
+    path: Path, run_name: str, fleet_sync: WeightSyncMethod | None
+) -> tuple[list[dict[str, Any]], dict[str, FakePod], int]:
+    """Every NetworkPolicy rendered for an example (its referenced fleet's weight sync set to `fleet_sync`),
+    the pods of its run by role, and the engines' serving port."""
+    resources = load(path)
+    if fleet_sync is not None:
+        resources = [
+            r.model_copy(
+                update={"spec": r.spec.model_copy(update={"weight_sync": WeightSync(method=fleet_sync)})}
+            )
+            if isinstance(r, RolloutFleet)
+            else r
+            for r in resources
+        ]
+    ctx = RenderContext(operator_namespace="legorl-system")
+    rendered = render_all(resources, ctx)
+    policies = [o for o in rendered if o["kind"] == "NetworkPolicy"]
+    for policy in policies:
+        kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    (run,) = [r for r in resources if isinstance(r, RLRun) and r.metadata.name == run_name]
+    ns = run.metadata.namespace or "default"
+    (engines,) = [
+        o for o in rendered if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-engine")
+    ]
+    (serving,) = [
+        p for p in engines["spec"]["template"]["spec"]["containers"][0]["ports"] if p["name"] == "http"
+    ]
+    # The run's pool: its own (a child) or the one given alongside.
+    (pool_body,) = [o for o in [*rendered, *(r.to_wire() for r in resources)] if o["kind"] == "SandboxPool"]
+    pool = stored(SandboxPool.model_validate(pool_body))
+    trial = trial_pod(pool, example_trial(run_name=run_name), ctx)
+    trainer = child(rendered, "Job", f"{run_name}-trainer")["spec"]["template"]["metadata"]["labels"]
+    operator = {  # the chart's operator pods
+        "app.kubernetes.io/name": "legorl",
+        "app.kubernetes.io/instance": "legorl",
+        "app.kubernetes.io/component": "operator",
+    }
+    pods = {
+        "trainer": FakePod(ns, trainer),
+        "other-run-trainer": FakePod(
+            ns, {**trainer, "legorl.dev/owner": "rlrun.other", "legorl.dev/run": "other"}
+        ),
+        "engine": FakePod(ns, engines["spec"]["template"]["metadata"]["labels"]),
+        "trial": FakePod(ns, trial["metadata"]["labels"]),
+        "operator": FakePod("legorl-system", operator),
+        "stranger": FakePod(ns, {"app": "something-else"}),
+    }
+    return policies, pods, int(serving["containerPort"])
+
+
+EPHEMERAL = 41234
+"""A port NCCL or gloo would pick."""
+
+
+@pytest.mark.parametrize(
+    ("example", "run_name", "fleet_sync", "nccl"),
+    [
+        ("gpu-swe-verified.yaml", "qwen35-a3b-claude-swe", None, True),  # its inline fleet syncs over NCCL
+        ("shared-fleet-and-pool.yaml", "coder-grpo", None, False),  # a referenced Filesystem fleet
+        ("shared-fleet-and-pool.yaml", "coder-grpo", "NCCL", True),  # a referenced NCCL fleet
+    ],
+)
+def test_network_policies_admit_exactly_the_training_traffic(
+    example: str, run_name: str, fleet_sync: WeightSyncMethod | None, nccl: bool
+) -> None:
+    policies, pods, serving = network(REPO / "examples" / example, run_name, fleet_sync)
+
+    def can(src: str, dst: str, port: int, protocol: str = "TCP") -> bool:
+        return reachable(policies, pods[src], pods[dst], port, protocol)
+
+    # The ranks of a run reach each other on any port (rendezvous, collectives); no one else reaches them,
+    # another run's trainer included — except the run's engines under NCCL, on any TCP port.
+    assert can("trainer", "trainer", MASTER_PORT) and can("trainer", "trainer", EPHEMERAL)
+    assert can("trainer", "trainer", EPHEMERAL, "UDP")
+    for stranger in ("other-run-trainer", "trial", "operator", "stranger"):
+        for port in (MASTER_PORT, WEIGHT_SYNC_PORT, EPHEMERAL):
+            assert not can(stranger, "trainer", port), (stranger, port)
+    assert can("engine", "trainer", WEIGHT_SYNC_PORT) is nccl
+    assert can("engine", "trainer", EPHEMERAL) is nccl
+    assert not can("engine", "trainer", EPHEMERAL, "UDP")
+    # The trainer reaches its engines' control routes always, and any port under NCCL.
+    assert can("trainer", "engine", serving)
+    assert can("trainer", "engine", EPHEMERAL) is nccl
+    # As before: trials reach the serving port only, the operator it and the trial proxies, strangers neither.
+    assert can("trial", "engine", serving) and not can("trial", "engine", EPHEMERAL)
+    assert can("operator", "engine", serving) and can("operator", "trial", 4000)
+    assert not can("stranger", "engine", serving) and not can("stranger", "trial", 4000)
+    assert not can("trial", "trainer", WEIGHT_SYNC_PORT)

@@ -6,9 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from legorl.api.kinds import RLRun
 from legorl.manifests import Problem, parse_documents, validate_documents
+from legorl.manifests.preflight import check_resource
 
-BASE = (Path(__file__).parents[1] / "examples" / "tiny-local.yaml").read_text()
+EXAMPLES = Path(__file__).parents[1] / "examples"
+BASE = (EXAMPLES / "tiny-local.yaml").read_text()
+CPU_TRAINER = "      gpusPerNode: 0                   # megatron-core on CPU (gloo)\n"
 
 
 def problems(text: str) -> list[Problem]:
@@ -97,6 +101,21 @@ def test_base_is_clean() -> None:
             "spec.harness.image",
             "kind Custom needs harness.image",
         ),
+        (
+            # CEL has no rule for context parallelism: only preflight refuses it.
+            CPU_TRAINER,
+            CPU_TRAINER + "      processesPerNode: 2\n      context: 2\n",
+            "error",
+            "spec.trainer.parallelism.context",
+            "context parallelism 2",
+        ),
+        (
+            "      gpusPerNode: 0                   # vLLM's CPU build\n",
+            "      gpusPerNode: 0                   # vLLM's CPU build\n    weightSync: {method: NCCL}\n",
+            "error",
+            "spec.fleet.weightSync.method",
+            "NCCL weight sync needs GPUs on the engines",
+        ),
     ],
 )
 def test_check_fires(old: str, new: str, severity: str, path: str, words: str) -> None:
@@ -127,3 +146,82 @@ def test_two_training_runs_on_one_fleet_are_flagged() -> None:
         r.document.body["metadata"]["name"] for r in reports for p in r.problems if p.path == "spec.fleetRef"
     ]
     assert sorted(flagged) == ["coder-benchmark", "coder-grpo"]
+
+
+def test_a_cpu_trainer_of_several_ranks_is_clean() -> None:
+    assert CPU_TRAINER in BASE
+    text = BASE.replace(
+        CPU_TRAINER, CPU_TRAINER + "      processesPerNode: 4\n      tensor: 2\n      expert: 2\n"
+    )
+    assert problems(text) == []
+
+
+@pytest.mark.parametrize(
+    ("layout", "fields"),
+    [
+        # 3 ranks split neither into TP 2 nor into TP 2 × EP 1; 4 ranks do not hold TP 2 × EP 4.
+        ("      processesPerNode: 3\n      tensor: 2\n", ["tensor", "expert"]),
+        ("      processesPerNode: 4\n      tensor: 2\n      expert: 4\n", ["expert"]),
+    ],
+)
+def test_layout_problems_are_told_once_and_also_without_cel(layout: str, fields: list[str]) -> None:
+    paths = [f"spec.trainer.parallelism.{field}" for field in fields]
+    (report,) = validate_documents(parse_documents(BASE.replace(CPU_TRAINER, CPU_TRAINER + layout), "t.yaml"))
+    # `legorl validate`: CEL says it; preflight (which waits for a document CEL passed) does not repeat it.
+    assert [(p.check, p.path) for p in report.problems] == [("cel", path) for path in paths]
+    # An API server without CEL (1.20) lets it through; the operator's preflight then says it in its words.
+    assert isinstance(report.resource, RLRun)
+    found = check_resource(report.resource)
+    assert [(p.check, p.severity, p.path) for p in found] == [("preflight", "error", path) for path in paths]
+    assert all("must divide the" in p.message for p in found)
+
+
+def test_a_gpu_trainer_runs_one_rank_per_gpu_also_without_cel() -> None:
+    text = (EXAMPLES / "gpu-swe-verified.yaml").read_text()
+    old = "      gpusPerNode: 8\n      tensor: 2\n"
+    assert old in text
+    (report,) = validate_documents(
+        parse_documents(
+            text.replace(old, "      gpusPerNode: 8\n      processesPerNode: 4\n      tensor: 2\n"), "g.yaml"
+        )
+    )
+    assert [(p.check, p.path) for p in report.problems if p.severity == "error"] == [
+        ("cel", "spec.trainer.parallelism.processesPerNode")
+    ]
+    assert isinstance(report.resource, RLRun)
+    (found,) = [p for p in check_resource(report.resource) if p.severity == "error"]
+    assert found.path == "spec.trainer.parallelism.processesPerNode" and "one rank per GPU" in found.message
+
+
+def test_the_gpu_example_passes_the_layout_and_nccl_checks() -> None:
+    # 4 nodes × 8 GPUs, TP 2 × EP 8, NCCL weight sync between GPU engines and a GPU trainer.
+    (report,) = validate_documents(
+        parse_documents((EXAMPLES / "gpu-swe-verified.yaml").read_text(), "g.yaml")
+    )
+    assert [p for p in report.problems if p.severity == "error"] == []
+    assert isinstance(report.resource, RLRun)
+    assert report.resource.spec.fleet is not None and report.resource.spec.fleet.weight_sync.method == "NCCL"
+
+
+def test_nccl_weight_sync_needs_a_gpu_trainer() -> None:
+    # An inline fleet on GPUs, the trainer on CPU.
+    text = (EXAMPLES / "gpu-swe-verified.yaml").read_text()
+    old = "      nodes: 4\n      gpusPerNode: 8\n      tensor: 2\n      expert: 8\n"
+    assert old in text
+    (report,) = validate_documents(parse_documents(text.replace(old, "      gpusPerNode: 0\n"), "g.yaml"))
+    errors = [p for p in report.problems if p.severity == "error"]
+    assert [(p.check, p.path) for p in errors] == [("preflight", "spec.fleet.weightSync.method")]
+    assert "GPUs on the trainer too" in errors[0].message
+    # A referenced fleet that syncs over NCCL, a training run on CPU.
+    shared = (EXAMPLES / "shared-fleet-and-pool.yaml").read_text()
+    old = "      nodes: 2\n      gpusPerNode: 8\n      tensor: 2\n      expert: 8\n"
+    assert old in shared and "    method: Filesystem\n" in shared
+    text = shared.replace("    method: Filesystem\n", "    method: NCCL\n").replace(
+        old, "      gpusPerNode: 0\n"
+    )
+    reports = validate_documents(parse_documents(text, "s.yaml"))
+    by_run = [
+        (r.document.body["metadata"]["name"], p) for r in reports for p in r.problems if p.severity == "error"
+    ]
+    assert [(name, p.path) for name, p in by_run] == [("coder-grpo", "spec.trainer.parallelism.gpusPerNode")]
+    assert "fleet 'coder-fleet' syncs weights over NCCL" in by_run[0][1].message

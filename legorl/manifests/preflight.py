@@ -15,7 +15,9 @@ from pydantic import BaseModel
 
 from legorl.api._base import parse_quantity
 from legorl.api.common import ContainerImage, EnvVar, ResourceRequirements
+from legorl.api.fleet import FleetTemplate
 from legorl.api.kinds import Resource, RLRun, RolloutFleet, SandboxPool
+from legorl.api.layout import FIELD as LAYOUT_FIELD
 from legorl.api.pool import ImageSource
 from legorl.manifests.problems import DocumentReport, Problem
 
@@ -163,6 +165,65 @@ def _fidelity_dtypes(trainer_dtype: str, engine_dtype: str, path: str) -> Iterat
         )
 
 
+def check_trainer_layout(res: Resource) -> Iterator[Problem]:
+    """The trainer's ranks and parallel sizes, as arithmetic (the trainer checks them against the model's
+    shape when it starts).
+
+    The CRD's CEL rules say most of this, but an API server without CEL (1.20) does not, and the operator
+    re-runs these checks on what such a server let through; `context > 1` is refused here only. Preflight runs
+    only on documents that passed schema and CEL (`legorl validate` gates it on `report.ok`), so a problem
+    CEL reported is never reported again in other words."""
+    if not isinstance(res, RLRun) or res.spec.mode != "Train":
+        return  # no trainer runs
+    par = res.spec.trainer.parallelism
+    if par.gpus_per_node > 0 and par.processes_per_node not in (None, par.gpus_per_node):
+        yield Problem(
+            "error",
+            f"{LAYOUT_FIELD}.processesPerNode",
+            f"a GPU trainer runs one rank per GPU, not {par.processes_per_node} for "
+            f"{par.gpus_per_node} GPUs; leave processesPerNode unset or equal to gpusPerNode",
+            "preflight",
+        )
+    for problem in par.layout().problems():
+        yield Problem("error", problem.field, problem.message, "preflight")
+
+
+_NCCL_FIX = "use weightSync.method Filesystem"
+
+
+def check_nccl_weight_sync(res: Resource) -> Iterator[Problem]:
+    """NCCL weight sync broadcasts from the trainer's GPU to the engines' GPUs: both sides need GPUs."""
+    fleet: FleetTemplate
+    if isinstance(res, RolloutFleet):
+        path, fleet = "spec", res.spec
+    elif isinstance(res, RLRun) and res.spec.fleet is not None:
+        path, fleet = "spec.fleet", res.spec.fleet
+    else:
+        return  # a referenced fleet: check_run_against_fleet
+    if fleet.weight_sync.method != "NCCL":
+        return
+    if fleet.parallelism.gpus_per_node == 0:
+        yield Problem(
+            "error",
+            f"{path}.weightSync.method",
+            "NCCL weight sync needs GPUs on the engines, but parallelism.gpusPerNode is 0 (vLLM's CPU "
+            f"build); {_NCCL_FIX}",
+            "preflight",
+        )
+    if (
+        isinstance(res, RLRun)
+        and res.spec.mode == "Train"
+        and res.spec.trainer.parallelism.gpus_per_node == 0
+    ):
+        yield Problem(
+            "error",
+            f"{path}.weightSync.method",
+            "NCCL weight sync needs GPUs on the trainer too, but spec.trainer.parallelism.gpusPerNode is 0 "
+            f"(a CPU trainer); {_NCCL_FIX} or give the trainer GPUs",
+            "preflight",
+        )
+
+
 def check_pool_defenses(res: Resource) -> Iterator[Problem]:
     pools: list[tuple[str, Any]] = []
     if isinstance(res, SandboxPool):
@@ -194,6 +255,8 @@ SINGLE_CHECKS: list[Callable[[Resource], Iterator[Problem]]] = [
     check_secrets_not_inline,
     check_images_pinned,
     check_run_settings,
+    check_trainer_layout,
+    check_nccl_weight_sync,
     check_pool_defenses,
 ]
 
@@ -290,6 +353,19 @@ def check_run_against_fleet(run: RLRun, fleet: RolloutFleet) -> Iterator[Problem
         )
     if run.spec.mode == "Train":
         yield from _fidelity_dtypes(run.spec.trainer.dtype, fleet.spec.settings.dtype, "spec.trainer.dtype")
+    if (
+        run.spec.mode == "Train"
+        and fleet.spec.weight_sync.method == "NCCL"
+        and run.spec.trainer.parallelism.gpus_per_node == 0
+    ):
+        yield Problem(
+            "error",
+            "spec.trainer.parallelism.gpusPerNode",
+            f"fleet {fleet.metadata.name!r} syncs weights over NCCL (weightSync.method NCCL), which needs "
+            "GPUs on the trainer too, but this trainer runs on CPU; give it GPUs or use a fleet whose "
+            "weightSync.method is Filesystem",
+            "preflight",
+        )
 
 
 def preflight(reports: list[DocumentReport]) -> None:

@@ -459,11 +459,16 @@ class Reconciler:
             if terminal and not run.spec.suspend:
                 # An ended run keeps its store but holds no GPUs: render it as suspended.
                 rendered = run.model_copy(update={"spec": run.spec.model_copy(update={"suspend": True})})
+            sync = None
             if isinstance(fleet, RolloutFleet):
-                port = fleet.spec.port
+                # The referenced fleet's sync method decides what the trainer renders for NCCL (an inline
+                # fleet's own method wins inside render_run).
+                port, sync = fleet.spec.port, fleet.spec.weight_sync.method
             else:
                 port = run.spec.fleet.port if run.spec.fleet is not None else 8000
-            refused = await self._sync_children(key, render_run(rendered, self.ctx, port), observed)
+            refused = await self._sync_children(
+                key, render_run(rendered, self.ctx, port, fleet_sync=sync), observed
+            )
             if refused:
                 conditions = self._refused(status.conditions, "Validated", refused, run)
                 phase, reason = rlrun_phase(conditions, run.spec.suspend)

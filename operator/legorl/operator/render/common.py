@@ -260,10 +260,12 @@ def service_account(res: Resource, name: str, component: str, app: str) -> dict[
 
 
 def headless_service(
-    res: Resource, name: str, component: str, app: str, port: tuple[str, int]
+    res: Resource, name: str, component: str, app: str, *ports: tuple[str, int]
 ) -> dict[str, Any]:
-    """A headless Service giving each pod of `component` a stable DNS name (rendezvous, Ray)."""
-    port_name, number = port
+    """A headless Service giving each pod of `component` a stable DNS name (rendezvous, Ray), before it
+    is ready too (`publishNotReadyAddresses`: peers resolve each other while they start up).
+
+    `ports` are (name, number) pairs: DNS needs none, they name the pods' ports (SRV records)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -272,6 +274,6 @@ def headless_service(
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": selector_labels(res, component),
-            "ports": [{"name": port_name, "port": number, "protocol": "TCP"}],
+            "ports": [{"name": port_name, "port": number, "protocol": "TCP"} for port_name, number in ports],
         },
     }

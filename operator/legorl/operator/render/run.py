@@ -1,16 +1,19 @@
-"""RLRun → its owned fleet and pool (when inlined), the trainer workload (an indexed Job and a
-headless Service for multi-node Megatron) and the NetworkPolicy that opens its fleet to its trials."""
+"""RLRun → its owned fleet and pool (when inlined), the trainer workload (an indexed Job of torchrun ranks, a
+headless Service for their rendezvous and the fleet's NCCL weight sync, a NetworkPolicy for the trainer pods)
+and the NetworkPolicy that opens its fleet to its trials."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from legorl.api._base import GROUP_VERSION
 from legorl.api.fleet import RolloutFleetSpec
 from legorl.api.kinds import RLRun
 from legorl.api.pool import SandboxPoolSpec
 from legorl.operator.render.common import (
+    COMPONENT_LABEL,
+    OWNER_LABEL,
     RESTRICTED_POD_SECURITY,
     RenderContext,
     headless_service,
@@ -21,6 +24,7 @@ from legorl.operator.render.common import (
     pod_placement,
     resources,
     restricted_container,
+    selector_labels,
     service_account,
     with_hash,
 )
@@ -31,7 +35,15 @@ from legorl.operator.render.pool import PROXY_PORT
 APP = "legorl-trainer"
 TRAINER = "trainer"
 MASTER_PORT = 29500
+"""torchrun's rendezvous (its TCP store) on the trainer pod of index 0; the ranks' collectives then use
+ephemeral ports between the trainer pods."""
+WEIGHT_SYNC_PORT = 29650
+"""Under NCCL weight sync: the writer rank's TCP rendezvous, which every engine worker of every replica joins
+(vLLM's NCCL weight-transfer group; NCCL then opens ephemeral ports in both directions)."""
 STORE_MOUNT = "/store"
+
+WeightSyncMethod = Literal["Filesystem", "NCCL"]
+"""`RolloutFleet.spec.weightSync.method`."""
 
 
 def fleet_name(run: RLRun) -> str:
@@ -46,6 +58,26 @@ def pool_name(run: RLRun) -> str:
 
 def trainer_name(run_name: str) -> str:
     return f"{run_name}-trainer"
+
+
+def writer_address(run: RLRun) -> str:
+    """DNS name of the trainer pod of index 0, whose local rank 0 is the writer (global rank 0), through the
+    trainer's headless Service: `<run>-trainer-0.<run>-trainer.<namespace>.svc`."""
+    name = trainer_name(run.metadata.name)
+    return f"{name}-0.{name}.{run.metadata.namespace or 'default'}.svc"
+
+
+def sync_method(run: RLRun, referenced: WeightSyncMethod | None = None) -> WeightSyncMethod:
+    """How the run's fleet syncs weights: the inline fleet's method, else the referenced fleet's
+    (`referenced`, which the caller read from that fleet; None: Filesystem)."""
+    if run.spec.fleet is not None:
+        return run.spec.fleet.weight_sync.method
+    return referenced or "Filesystem"
+
+
+def _engine_pods(run: RLRun) -> dict[str, str]:
+    """Labels of the engine pods (leaders and workers) of the run's fleet, its own or the referenced one."""
+    return {OWNER_LABEL: owner_key("RolloutFleet", fleet_name(run)), COMPONENT_LABEL: ENGINE}
 
 
 def store_uri(run: RLRun, ctx: RenderContext) -> str:
@@ -108,8 +140,11 @@ def _owned_pool(run: RLRun) -> dict[str, Any]:
     return _owned(run, "SandboxPool", pool_name(run), run.spec.pool)
 
 
-def _trainer_service(run: RLRun) -> dict[str, Any]:
-    return headless_service(run, trainer_name(run.metadata.name), TRAINER, APP, ("rendezvous", MASTER_PORT))
+def _trainer_service(run: RLRun, nccl: bool) -> dict[str, Any]:
+    """Every trainer pod's stable name (`<name>-<index>.<name>`, the Job's pods set `subdomain`), published
+    before the pods are ready: the ranks rendezvous at index 0 and, under NCCL, the engines at the writer."""
+    ports = [("rendezvous", MASTER_PORT), *([("weight-sync", WEIGHT_SYNC_PORT)] if nccl else [])]
+    return headless_service(run, trainer_name(run.metadata.name), TRAINER, APP, *ports)
 
 
 def _trainer_account(run: RLRun) -> dict[str, Any]:
@@ -127,9 +162,11 @@ def _checkpoint_volume(run: RLRun) -> tuple[dict[str, Any], dict[str, Any]] | No
     return volume, {"name": "model", "mountPath": f"{MODELS_DIR}/{claim}", "readOnly": True}
 
 
-def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int) -> dict[str, Any]:
+def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int, nccl: bool) -> dict[str, Any]:
+    """One pod per trainer node (an indexed Job), each running torchrun with the layout's ranks per node."""
     trainer = run.spec.trainer
     par = trainer.parallelism
+    layout = par.layout()
     name = trainer_name(run.metadata.name)
     store = store_mount(run, ctx)
     env = [
@@ -140,8 +177,9 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int) -> dict[str, A
         # torchrun's rendezvous: index 0 is the master; the headless Service gives it a DNS name.
         {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
         {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
-        {"name": "NNODES", "value": str(par.nodes)},
-        {"name": "NPROC_PER_NODE", "value": str(max(1, par.gpus_per_node))},
+        {"name": "NNODES", "value": str(layout.nodes)},
+        # One rank per GPU, or processesPerNode gloo ranks for a CPU trainer.
+        {"name": "NPROC_PER_NODE", "value": str(layout.ranks_per_node)},
         {
             "name": "NODE_RANK",
             "valueFrom": {
@@ -150,6 +188,15 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int) -> dict[str, A
         },
         {"name": "HOME", "value": "/tmp"},
     ]
+    ports = [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}]
+    if nccl:
+        # The writer (global rank 0, on the pod of index 0) opens vLLM's NCCL weight-transfer rendezvous
+        # here; every engine worker connects to it by this name.
+        env += [
+            {"name": "LEGORL_WEIGHT_SYNC_ADDRESS", "value": writer_address(run)},
+            {"name": "LEGORL_WEIGHT_SYNC_PORT", "value": str(WEIGHT_SYNC_PORT)},
+        ]
+        ports.append({"name": "weight-sync", "containerPort": WEIGHT_SYNC_PORT, "protocol": "TCP"})
     command = [
         "torchrun",
         "--nnodes=$(NNODES)",
@@ -167,7 +214,7 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int) -> dict[str, A
         "imagePullPolicy": trainer.image.pull_policy if trainer.image else "IfNotPresent",
         "command": command,
         "env": env,
-        "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "resources": resources(trainer.resources, par.gpus_per_node),
         "securityContext": restricted_container(),
         "volumeMounts": [
@@ -206,8 +253,8 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int) -> dict[str, A
         "metadata": metadata(run, name, TRAINER, APP),
         "spec": {
             "completionMode": "Indexed",
-            "completions": par.nodes,
-            "parallelism": par.nodes,
+            "completions": layout.nodes,
+            "parallelism": layout.nodes,
             # One rank failing fails the step for all; the run controller restarts from the
             # last checkpoint rather than the Job retrying one rank alone.
             "backoffLimit": 0,
@@ -219,6 +266,30 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int) -> dict[str, A
             },
             "suspend": run.spec.suspend,
             "template": {"metadata": {"labels": labels(run, TRAINER, APP)}, "spec": pod_spec},
+        },
+    }
+
+
+def _trainer_ingress(run: RLRun, nccl: bool) -> dict[str, Any]:
+    """Who may connect to the run's trainer pods: the run's own trainer pods on any port (torchrun's
+    rendezvous, the gloo/NCCL collectives between ranks) and, under NCCL weight sync, the engine pods of the
+    run's fleet on any TCP port (the writer's rendezvous, then NCCL's ephemeral ports). Egress is left open:
+    a trainer reads the run store and downloads its checkpoint wherever they are (s3, the HF hub), and the
+    fleet's own policy admits it to the engines."""
+    trainers = {"podSelector": {"matchLabels": selector_labels(run, TRAINER)}}
+    ingress: list[dict[str, Any]] = [{"from": [trainers]}]
+    if nccl:
+        ingress.append(
+            {"from": [{"podSelector": {"matchLabels": _engine_pods(run)}}], "ports": [{"protocol": "TCP"}]}
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(run, trainer_name(run.metadata.name), TRAINER, APP),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(run, TRAINER)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
         },
     }
 
@@ -241,16 +312,7 @@ def _trial_egress(run: RLRun, fleet_port: int, ctx: RenderContext) -> dict[str, 
             "policyTypes": ["Egress"],
             "egress": [
                 {
-                    "to": [
-                        {
-                            "podSelector": {
-                                "matchLabels": {
-                                    "legorl.dev/owner": owner_key("RolloutFleet", fleet_name(run)),
-                                    "legorl.dev/component": ENGINE,
-                                }
-                            }
-                        }
-                    ],
+                    "to": [{"podSelector": {"matchLabels": _engine_pods(run)}}],
                     "ports": [{"protocol": "TCP", "port": fleet_port}],
                 }
             ],
@@ -282,11 +344,15 @@ def _trial_egress(run: RLRun, fleet_port: int, ctx: RenderContext) -> dict[str, 
     return policy
 
 
-def render_run(run: RLRun, ctx: RenderContext, fleet_port: int) -> list[dict[str, Any]]:
+def render_run(
+    run: RLRun, ctx: RenderContext, fleet_port: int, *, fleet_sync: WeightSyncMethod | None = None
+) -> list[dict[str, Any]]:
     """Every child object of an RLRun, each stamped with its desired-state hash.
 
-    `fleet_port` is the port of the fleet the run uses (its own or the referenced one).
+    `fleet_port` is the port of the fleet the run uses (its own or the referenced one); `fleet_sync` the
+    referenced fleet's `spec.weightSync.method` (an inline fleet's is the run's own; None: Filesystem).
     """
+    nccl = sync_method(run, fleet_sync) == "NCCL"
     objects: list[dict[str, Any]] = []
     if run.spec.fleet is not None:
         objects.append(_owned_fleet(run))
@@ -295,7 +361,11 @@ def render_run(run: RLRun, ctx: RenderContext, fleet_port: int) -> list[dict[str
     if run.spec.mode == "Train":
         if run.spec.trainer.identity.service_account_name is None:
             objects.append(_trainer_account(run))
-        objects += [_trainer_service(run), _trainer_job(run, ctx, fleet_port)]
+        objects += [
+            _trainer_service(run, nccl),
+            _trainer_job(run, ctx, fleet_port, nccl),
+            _trainer_ingress(run, nccl),
+        ]
     objects.append(_trial_egress(run, fleet_port, ctx))
     return [with_hash(obj) for obj in objects]
 

@@ -10,7 +10,7 @@ from legorl.api.kinds import Resource, RLRun, RolloutFleet, SandboxPool
 from legorl.operator.render.common import RenderContext
 from legorl.operator.render.fleet import RenderError, render_fleet
 from legorl.operator.render.pool import render_pool
-from legorl.operator.render.run import fleet_name, render_run
+from legorl.operator.render.run import WeightSyncMethod, fleet_name, render_run
 
 PLACEHOLDER_UID = "00000000-0000-4000-8000-000000000000"
 """Owner UIDs are assigned by the API server; rendering outside a cluster uses this one."""
@@ -30,7 +30,7 @@ def render_children(
 ) -> list[dict[str, Any]]:
     """The children of `res`, then (for an RLRun's own fleet and pool) their children.
 
-    `others` are the other resources given alongside (a referenced fleet sets the port).
+    `others` are the other resources given alongside (a referenced fleet sets the port and weight sync).
     Raises `RenderError` when something cannot run on a cluster.
     """
     if isinstance(res, RolloutFleet):
@@ -39,14 +39,15 @@ def render_children(
         return render_pool(res, ctx, [])
     assert isinstance(res, RLRun)
     port = DEFAULT_PORT
+    sync: WeightSyncMethod | None = None
     if res.spec.fleet is not None:
         port = res.spec.fleet.port
     else:
         for other in others:
             if isinstance(other, RolloutFleet) and other.metadata.name == fleet_name(res):
-                port = other.spec.port
+                port, sync = other.spec.port, other.spec.weight_sync.method
     out: list[dict[str, Any]] = []
-    for child in render_run(res, ctx, port):
+    for child in render_run(res, ctx, port, fleet_sync=sync):
         out.append(child)
         if child["kind"] in ("RolloutFleet", "SandboxPool"):
             model = RolloutFleet if child["kind"] == "RolloutFleet" else SandboxPool
