@@ -243,6 +243,60 @@ def test_legorl_train_from_a_manifest(tiny: Path, tmp_path: Path, batches: list[
     assert json.loads(json.dumps(store.read_metrics()))[0]["step"] == 1
 
 
+def test_legorl_train_starts_the_layouts_ranks(
+    tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CPU trainer of two ranks (tensor parallel 2): `legorl train` starts them under torchrun itself, the
+    writer publishes v1, and the step is the one-rank step (fp32: equal up to rounding; exactness at every
+    layout is tests/test_trainer_parallel.py's)."""
+    from legorl.cli.main import main  # noqa: PLC0415
+
+    manifest = yaml.safe_load((Path(__file__).parents[1] / "examples" / "tiny-local.yaml").read_text())
+    manifest["spec"]["policy"]["checkpoint"]["uri"] = f"file://{tiny}"
+    manifest["spec"]["stop"]["maxSteps"] = 1
+    manifest["spec"]["filter"] = {"dropReasons": ["sandbox_error"]}
+    figures = {}
+    for name, parallelism in (
+        ("one", {"gpusPerNode": 0}),
+        ("tp2", {"gpusPerNode": 0, "processesPerNode": 2, "tensor": 2}),
+    ):
+        manifest["spec"]["trainer"]["parallelism"] = parallelism
+        spec_file = tmp_path / f"{name}.yaml"
+        spec_file.write_text(yaml.safe_dump(manifest))
+        store = RunStore(str(tmp_path / name))
+        commit(store, batches, range(1, 2))
+        assert main(["train", "--spec", str(spec_file), "--store", str(tmp_path / name), "--no-wait"]) == 0
+        assert store.published_versions() == ["v1"]
+        figures[name] = store.read_metrics()[0]
+    out = capsys.readouterr().out
+    assert "starting 2 trainer ranks" in out
+    assert figures["tp2"]["loss_tokens"] == figures["one"]["loss_tokens"] > 0
+    for key in ("loss", "entropy", "fidelity_pearson", "is_ess"):
+        assert math.isclose(figures["tp2"][key], figures["one"][key], rel_tol=1e-4), key
+
+
+def test_legorl_train_check_accepts_the_flagship_layout_and_refuses_what_the_model_cannot_take(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """examples/gpu-swe-verified.yaml (4 × 8 GPUs, TP 2, EP 8) against a Qwen3-30B-A3B config (the config
+    alone: 32 heads, 4 KV heads, 128 experts, 48 layers); TP 8 × EP 4 adds up but cannot split 4 KV heads."""
+    from legorl.cli.main import main  # noqa: PLC0415
+
+    example = Path(__file__).parents[1] / "examples" / "gpu-swe-verified.yaml"
+    config = Path(__file__).parent / "fixtures" / "qwen3-30b-a3b"
+    assert main(["train", "--spec", str(example), "--check", "--checkpoint-dir", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "TP2 × EP8 × DP16 on 32 ranks" in out and "fits the layout" in out
+    manifest = yaml.safe_load(example.read_text())
+    # Sizes that divide the 32 ranks (CEL and preflight pass them): only the model says no.
+    manifest["spec"]["trainer"]["parallelism"].update(tensor=8, expert=4)
+    bad = tmp_path / "tp8.yaml"
+    bad.write_text(yaml.safe_dump(manifest))
+    assert main(["train", "--spec", str(bad), "--check", "--checkpoint-dir", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "spec.trainer.parallelism.tensor: the model's 4 key/value heads do not split over 8" in err
+
+
 def test_legorl_train_rejects_a_bad_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from legorl.cli.main import main  # noqa: PLC0415
 

@@ -79,6 +79,48 @@ def make(tiny: Path, store: Path) -> None:
         runs.commit_batch(step, trials, policy_version=f"v{step - 1}")
 
 
+class RecordingTransfer:
+    """Stands in for vLLM's `NCCLTrainerWeightTransferEngine`, which needs CUDA and NCCL: the same calls on
+    the client and the same use of the source as its `trainer_init` / `send_weights`, with the broadcast
+    replaced by keeping what the sender would have broadcast (saved under `out/round-N.pt`)."""
+
+    def __init__(self, init_info: Any, *, client: Any, source: Any, out: Path) -> None:
+        self.sender = init_info.rank == 0
+        self.client, self.source, self.out = client, source, out
+        self.rounds = 0
+        if self.sender:
+            self.client.init_weight_transfer_engine(
+                {"master_address": init_info.master_address, "master_port": init_info.master_port,
+                 "world_size": init_info.world_size, "packed": init_info.packed}
+            )  # fmt: skip
+
+    def send_weights(self) -> None:
+        meta = self.source.metadata()
+        if not self.sender:
+            for _ in self.source:
+                pass
+            return
+        self.client.start_weight_update()
+        self.client.update_weights(
+            {"names": [m.name for m in meta], "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
+             "shapes": [list(m.shape) for m in meta]}
+        )  # fmt: skip
+        sent = {}
+        for (name, tensor), declared in zip(self.source, meta, strict=True):
+            assert (name, tensor.dtype, tuple(tensor.shape)) == (
+                declared.name,
+                declared.dtype,
+                declared.shape,
+            )
+            sent[name] = tensor.detach().cpu().clone()
+        self.client.finish_weight_update()
+        self.rounds += 1
+        torch.save(sent, self.out / f"round-{self.rounds}.pt")
+
+    def shutdown(self) -> None:
+        pass
+
+
 def _assembled_state(trainer: Any) -> dict[str, dict[str, torch.Tensor]] | None:
     """Every rank's checkpoint state, each tensor whole (by key and field), on the writer."""
     from legorl.trainer import convert, parallel  # noqa: PLC0415
@@ -131,8 +173,22 @@ def run(args: argparse.Namespace) -> None:
         seed=5,
         dtype=args.dtype,
     )
+    factory = None
+    if args.fleet:
+        settings = settings.model_copy(
+            update={
+                "fleet_urls": tuple(args.fleet),
+                "weight_sync_method": "NCCL",
+                "weight_sync_address": "127.0.0.1",
+            }
+        )
+        args.out.parent.joinpath("nccl").mkdir(exist_ok=True)
+
+        def factory(init_info: Any, *, client: Any, source: Any) -> RecordingTransfer:
+            return RecordingTransfer(init_info, client=client, source=source, out=args.out.parent / "nccl")
+
     store = RunStore(str(args.store))
-    service = TrainingService(settings, store=store)
+    service = TrainingService(settings, store=store, nccl_engine_factory=factory)
     trainer = service.trainer
     out: dict[str, Any] = {"layout": settings.layout.describe(), "resumed_from": service.resumed_from}
     out["loaded"] = trainer.hf_state_dict()
@@ -212,6 +268,7 @@ def main(argv: list[str]) -> int:
     r.add_argument("--entropy-coef", type=float, default=0.0)
     r.add_argument("--no-replay", action="store_true")
     r.add_argument("--dtype", default="float64")
+    r.add_argument("--fleet", action="append", help="engine URL: sync over (recorded) NCCL")
     args = p.parse_args(argv)
     if args.command == "make":
         make(args.tiny, args.store)

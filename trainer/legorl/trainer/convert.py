@@ -21,10 +21,11 @@ tensors bit for bit from every layout (tests/test_trainer_parallel.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +43,7 @@ with compat.silence_import_warnings():
 
 __all__ = [
     "ConversionError",
+    "HfExport",
     "ParamShard",
     "assemble",
     "export_hf_state_dict",
@@ -529,99 +531,121 @@ def _sources() -> dict[tuple[int, int | None], int]:
     return out
 
 
-def _unit_key(rule: _Rule) -> tuple[str, ...]:
-    return rule.hf
+@dataclass(frozen=True)
+class _Unit:
+    """One Megatron tensor as the export sees it: its HF tensors, who holds it, what it gives."""
+
+    names: tuple[str, ...]
+    owner: tuple[int, int | None]
+    """(pipeline stage, expert-parallel rank or None for a dense tensor)."""
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+
+
+class HfExport:
+    """The whole model under HF names, in checkpoint order, streamed to the writer (global rank 0).
+
+    Making one is a collective (every rank learns every rank's part list); so is iterating it, which every
+    rank must do to the end. Each part is assembled from its tensor-parallel shards by the ranks that hold it
+    and sent to the writer by one of them (tensor rank 0 of data-parallel replica 0; per expert-parallel rank
+    for experts), one tensor at a time: the writer holds one part, not the model, at any moment. On the
+    writer the iteration yields (name, tensor) on the model's device; elsewhere it yields nothing. The
+    tensors are the same, bit for bit, at every layout.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, arch: MoeArchitecture, values: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        params = _parameters(model)
+        if values is not None:
+            params = {name: values[name] for name in params}
+        self._params = params
+        self._rules = _rules(arch, model)
+        uncovered = sorted(params.keys() - {rule.megatron for rule in self._rules})
+        if uncovered:
+            raise ConversionError(f"Megatron parameters with no HF name: {_some(uncovered)}")
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        stage = parallel_state.get_pipeline_model_parallel_rank() if self.distributed else 0
+        ep = parallel_state.get_expert_model_parallel_rank() if self.distributed else 0
+        mine = []
+        for rule in self._rules:
+            shard = params[rule.megatron]
+            whole = _full_shape(rule, shard.shape)
+            shapes = tuple(tuple(t.shape) for t in rule.to_hf(torch.empty(whole, device="meta")))
+            dtype = str(shard.dtype).removeprefix("torch.")
+            mine.append(_Unit(rule.hf, (stage, ep if rule.expert else None), shapes, dtype))
+        everyone: list[Any] = [mine]
+        if self.distributed:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        units: dict[tuple[str, ...], _Unit] = {}
+        for part in everyone:
+            for unit in part:
+                units.setdefault(unit.names, unit)
+        order = {name: i for i, name in enumerate(hf_names(arch))}
+        self.units = sorted(units.values(), key=lambda u: order[u.names[0]])
+        self._sources = _sources() if self.distributed else {}
+
+    @property
+    def meta(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, shape, dtype) of every tensor the iteration yields, in order (known on every rank)."""
+        return [
+            (name, shape, getattr(torch, unit.dtype))
+            for unit in self.units
+            for name, shape in zip(unit.names, unit.shapes, strict=True)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in self.meta)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        by_key = {rule.hf: rule for rule in self._rules}
+        if not self.distributed:
+            with torch.no_grad():
+                for unit in self.units:
+                    rule = by_key[unit.names]
+                    yield from zip(rule.hf, rule.to_hf(self._params[rule.megatron].detach()), strict=True)
+            return
+        rank = dist.get_rank()
+        dense_source_group = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        expert_source_group = parallel_state.get_expert_data_parallel_rank() == 0
+        device = next(iter(self._params.values())).device
+        with torch.no_grad():
+            for unit in self.units:
+                source = self._sources[unit.owner]
+                held = by_key.get(unit.names)
+                tensors: list[torch.Tensor] | None = None
+                if held is not None and (expert_source_group if held.expert else dense_source_group):
+                    full = _gather_full(held, self._params[held.megatron].detach())
+                    tensors = [t.contiguous() for t in held.to_hf(full)]
+                if rank == source and rank != 0:
+                    assert tensors is not None
+                    for tensor in tensors:
+                        dist.send(tensor, dst=0)
+                if rank != 0:
+                    continue
+                if source != 0:
+                    tensors = []
+                    for shape in unit.shapes:
+                        buffer = torch.empty(shape, dtype=getattr(torch, unit.dtype), device=device)
+                        dist.recv(buffer, src=source)
+                        tensors.append(buffer)
+                assert tensors is not None
+                yield from zip(unit.names, tensors, strict=True)
 
 
 def gather_hf_state_dict(
     model: torch.nn.Module, arch: MoeArchitecture, values: Mapping[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor] | None:
-    """The whole model's weights under HF names in the on-disk layout, on the writer (global rank 0); None on
-    every other rank. A collective: every rank of the trainer must call it.
-
-    Each part is assembled from its tensor-parallel shards by the ranks that hold it and sent to the writer by
-    one of them (tensor rank 0 of data-parallel replica 0; per expert-parallel rank for experts). The writer
-    receives in checkpoint order, so the result is the same tensors, bit for bit, at every layout. Tensors are
-    contiguous CPU copies in the model's dtype. `values`: tensors shaped like the parameters to convert
-    instead of the parameters themselves (by Megatron name; e.g. their gradients).
+    """The whole model's weights under HF names in the on-disk layout (`HfExport`), as contiguous CPU copies
+    in the model's dtype, on the writer (global rank 0); None on every other rank. A collective: every rank
+    of the trainer calls it. `values`: tensors shaped like the parameters to convert instead of the
+    parameters themselves (by Megatron name; e.g. their gradients).
     """
-    params = _parameters(model)
-    if values is not None:
-        params = {name: values[name] for name in params}
-    rules = _rules(arch, model)
-    uncovered = sorted(params.keys() - {rule.megatron for rule in rules})
-    if uncovered:
-        raise ConversionError(f"Megatron parameters with no HF name: {_some(uncovered)}")
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if not distributed:
-        out: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for rule in rules:
-                for name, tensor in zip(rule.hf, rule.to_hf(params[rule.megatron].detach()), strict=True):
-                    out[name] = tensor.to("cpu").contiguous().clone()
-        return out
-    return _gather_distributed(model, arch, params, rules)
-
-
-def _gather_distributed(
-    model: torch.nn.Module,
-    arch: MoeArchitecture,
-    params: Mapping[str, torch.Tensor],
-    rules: Sequence[_Rule],
-) -> dict[str, torch.Tensor] | None:
-    rank = dist.get_rank()
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    ep = parallel_state.get_expert_model_parallel_rank()
-    dense_source_group = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-    expert_source_group = parallel_state.get_expert_data_parallel_rank() == 0
-    sources = _sources()
-    # Every rank learns every other rank's part list (names, shapes, dtypes, owner), in checkpoint order.
-    mine = []
-    for rule in rules:
-        owner = (stage, ep if rule.expert else None)
-        shard = params[rule.megatron]
-        whole = _full_shape(rule, shard.shape)
-        hf_shapes = [tuple(t.shape) for t in rule.to_hf(torch.empty(whole, device="meta"))]
-        mine.append((rule.hf, owner, hf_shapes, str(shard.dtype).removeprefix("torch.")))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    units: dict[tuple[str, ...], tuple[tuple[int, int | None], list[tuple[int, ...]], str]] = {}
-    for parts in everyone:
-        for names, owner, shapes, dtype in parts:
-            units.setdefault(tuple(names), ((owner[0], owner[1]), [tuple(s) for s in shapes], dtype))
-    order = {name: i for i, name in enumerate(hf_names(arch))}
-    ordered = sorted(units, key=lambda names: order[names[0]])
-    by_key = {_unit_key(rule): rule for rule in rules}
-    out: dict[str, torch.Tensor] | None = {} if rank == 0 else None
-    with torch.no_grad():
-        for names in ordered:
-            owner, shapes, dtype = units[names]
-            source = sources[owner]
-            held = by_key.get(names)
-            holds = held is not None and (expert_source_group if held.expert else dense_source_group)
-            tensors: list[torch.Tensor] | None = None
-            if held is not None and holds:
-                full = _gather_full(held, params[held.megatron].detach())
-                tensors = [t.contiguous() for t in held.to_hf(full)]
-            if rank == source and rank != 0:
-                assert tensors is not None
-                for tensor in tensors:
-                    dist.send(tensor.contiguous(), dst=0)
-            if rank == 0:
-                assert out is not None
-                if source == 0:
-                    assert tensors is not None
-                    received = tensors
-                else:
-                    device = next(iter(params.values())).device
-                    received = []
-                    for shape in shapes:
-                        buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                        dist.recv(buffer, src=source)
-                        received.append(buffer)
-                for name, tensor in zip(names, received, strict=True):
-                    out[name] = tensor.to("cpu").contiguous().clone()
-    return out
+    export = HfExport(model, arch, values)
+    out = {name: tensor.to("cpu").contiguous().clone() for name, tensor in export}
+    return out if not export.distributed or dist.get_rank() == 0 else None
 
 
 def export_hf_state_dict(model: torch.nn.Module, arch: MoeArchitecture) -> dict[str, torch.Tensor]:

@@ -198,7 +198,7 @@ def _check(args: argparse.Namespace, run: Any, store: str) -> int:
     uri = run.spec.policy.checkpoint.uri
     local = args.checkpoint_dir or (Path(uri.removeprefix("file://")) if uri.startswith("file://") else None)
     settings = TrainerSettings.from_run(
-        run, store_uri=store, checkpoint_dir=local or Path("."), device=args.device
+        run, store_uri=store, checkpoint_dir=local or Path(), device=args.device
     )
     shape = _model_shape(Path(local)) if local is not None else None
     settings.check_supported(model=shape)
@@ -206,8 +206,8 @@ def _check(args: argparse.Namespace, run: Any, store: str) -> int:
     print(
         f"{run.metadata.name}: trainer layout {layout.describe()} on {layout.world_size} ranks "
         f"({layout.nodes} node(s) × {layout.ranks_per_node}): tensor {layout.tensor} (sequence parallel "
-        f"{'on' if layout.sequence_parallel else 'off'}), pipeline {layout.pipeline}, expert {layout.expert}, "
-        f"data {layout.data}, expert data {layout.expert_data}"
+        f"{'on' if layout.sequence_parallel else 'off'}), pipeline {layout.pipeline}, "
+        f"expert {layout.expert}, data {layout.data}, expert data {layout.expert_data}"
     )
     if shape is None:
         print(f"  model not checked: {uri} is not local (pass --checkpoint-dir with its config.json)")
@@ -268,6 +268,19 @@ def _prepare(args: argparse.Namespace, args_list: list[str], rank: int) -> tuple
     settings = TrainerSettings.from_run(
         run, store_uri=store, checkpoint_dir=checkpoint, fleet_urls=tuple(args.fleet_url), device=args.device
     )
+    address = os.environ.get("LEGORL_WEIGHT_SYNC_ADDRESS")
+    if address:
+        # The operator sets these when the run's fleet (inline or referenced) syncs over NCCL.
+        port = os.environ.get("LEGORL_WEIGHT_SYNC_PORT", str(settings.weight_sync_port))
+        if not port.isdigit():
+            raise ValueError(f"$LEGORL_WEIGHT_SYNC_PORT={port!r} is not a port number")
+        settings = settings.model_copy(
+            update={
+                "weight_sync_method": "NCCL",
+                "weight_sync_address": address,
+                "weight_sync_port": int(port),
+            }
+        )
     shape = _model_shape(Path(checkpoint))
     if not launched and layout.world_size > 1:
         settings.check_supported(model=shape)

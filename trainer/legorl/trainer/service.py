@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from legorl.api.store import RunStore, StoreError, policy_version
+from legorl.api.store import RunStore, StoreError, parse_policy_version, policy_version
 from legorl.trainer import parallel
 from legorl.trainer.checkpoint import CheckpointStore, load_checkpoint, save_checkpoint
+from legorl.trainer.convert import HfExport
+from legorl.trainer.nccl_sync import NcclWeightSync
 from legorl.trainer.settings import SettingsError, TrainerSettings
 from legorl.trainer.telemetry import TrainerTelemetry
 from legorl.trainer.train import PolicyTrainer
@@ -62,15 +64,19 @@ class TrainingService:
     store: RunStore
     telemetry: TrainerTelemetry | None = None
     stop: threading.Event = field(default_factory=threading.Event)
+    nccl_engine_factory: Any = None
+    """For `weightSync.method: NCCL`: vLLM's trainer-side transfer engine factory (None: vLLM's own; the
+    tests pass a recorder, NCCL needing GPUs)."""
 
     def __post_init__(self) -> None:
         self.settings.check_supported()
-        if self.settings.fleet_urls and self.settings.weight_sync_method != "Filesystem":
+        nccl = self.settings.weight_sync_method == "NCCL" and bool(self.settings.fleet_urls)
+        if nccl and self.settings.weight_sync_address is None:
             raise SettingsError(
-                "weightSync.method NCCL is driven by the GPU trainer's ranks (NcclWeightSync); this "
-                "service publishes through the run store: use method Filesystem"
+                "weightSync.method NCCL needs the writer's rendezvous address that the engines connect to "
+                "($LEGORL_WEIGHT_SYNC_ADDRESS and $LEGORL_WEIGHT_SYNC_PORT, which the operator sets)"
             )
-        if self.settings.fleet_urls and self.store.local_path("weights") is None:
+        if self.settings.fleet_urls and not nccl and self.store.local_path("weights") is None:
             raise SettingsError(
                 f"run store {self.settings.store_uri} is not a local path: engines load published "
                 "weights from a path, so put the store on a volume both can mount (pvc:// or file://)"
@@ -84,9 +90,22 @@ class TrainingService:
                 pause_mode=self.settings.pause_mode,
                 timeout=self.settings.sync_timeout_seconds,
             )
-            if self.settings.fleet_urls and self.writer
+            if self.settings.fleet_urls and self.writer and not nccl
             else None
         )
+        self.nccl: NcclWeightSync | None = None
+        if nccl:
+            assert self.settings.weight_sync_address is not None
+            self.nccl = NcclWeightSync(
+                list(self.settings.fleet_urls),
+                rank=self.trainer.ranks.rank,
+                master_address=self.settings.weight_sync_address,
+                master_port=self.settings.weight_sync_port,
+                pause_mode=self.settings.pause_mode,
+                timeout=self.settings.sync_timeout_seconds,
+                engine_factory=self.nccl_engine_factory,
+            )
+            self.nccl.connect(lambda: HfExport(self.trainer.model, self.trainer.arch))
         self.resumed_from: int | None = None
         self._resume()
 
@@ -124,15 +143,26 @@ class TrainingService:
                 if step not in recorded:
                     self.store.write_metrics(step, _flat(figures))
                 self._write_state(step, None)
-        if self.writer:
-            self._catch_up_fleet()
+        self._catch_up_fleet()
 
     def _catch_up_fleet(self) -> None:
-        """Load the newest published version into replicas that serve an older one.
+        """Load the newest published version into replicas that serve an older one (every rank calls it).
 
         A crash (or a failed sync) after a version was published leaves the fleet behind; in Sync mode
         every later trial would then be stale.
         """
+        if self.nccl is not None:
+            version = policy_version(self.trainer.step)
+            behind = self.writer and any(
+                _step_of(v) != self.trainer.step for v in self.nccl.served_versions()
+            )
+            if parallel.broadcast(behind):
+                # The trainer's weights are that version: resume re-trained every published step.
+                log.warning("fleet is behind the trainer's %s: sending it over NCCL", version)
+                self.nccl.sync(version)
+            return
+        if not self.writer:
+            return
         versions = self.store.published_versions()
         if self.sync is None or not versions:
             return
@@ -187,6 +217,16 @@ class TrainingService:
             if self.sync is not None:
                 outcome.sync_seconds = self._sync_with_retries(outcome.published)
                 figures["sync_seconds"] = outcome.sync_seconds
+        if self.nccl is not None:
+            report = self.nccl.sync(version)
+            if report is not None:
+                outcome.sync_seconds = report.seconds
+                figures.update(
+                    sync_seconds=report.seconds,
+                    sync_transfer_seconds=report.transfer_seconds,
+                    sync_bytes=report.bytes,
+                    sync_bytes_per_second=report.bytes_per_second,
+                )
         if step % self.settings.checkpoint_interval == 0 or step == self.settings.max_steps:
             info = save_checkpoint(self.checkpoints, step, self.trainer, keep=self.settings.checkpoint_keep)
             outcome.checkpoint = info.uri
@@ -313,6 +353,14 @@ class TrainingService:
                 log.info("answered scoring request %s with %s: %s", request, version, answer)
             answered.append(request)
         return answered
+
+
+def _step_of(version: str) -> int | None:
+    """The step a served version names (vLLM's startup `default` is 0); None for anything else."""
+    try:
+        return parse_policy_version(version)
+    except ValueError:
+        return None
 
 
 def _flat(figures: dict[str, Any]) -> dict[str, Any]:

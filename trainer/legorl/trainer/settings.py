@@ -89,6 +89,9 @@ class TrainerSettings(BaseModel):
     checkpoint_uri: str | None = None
     """Where trainer checkpoints go; None = `<store>/checkpoints`."""
     weight_sync_method: Literal["Filesystem", "NCCL"] = "Filesystem"
+    weight_sync_address: str | None = None
+    """NCCL: the writer's rendezvous host that engines connect to ($LEGORL_WEIGHT_SYNC_ADDRESS)."""
+    weight_sync_port: Annotated[int, Field(ge=1, le=65535)] = 29650
     pause_mode: Literal["keep", "wait", "abort"] = "keep"
     sync_timeout_seconds: Annotated[float, Field(gt=0)] = 600.0
 

@@ -13,9 +13,9 @@ Three parts, usable apart:
   the engine), re-packs the CPU fused-MoE weights that vLLM's reload leaves in checkpoint layout (else the
   CPU engine serves garbage with every call returning 200), and rolls back to the last good weights if
   loading fails half way.
-- The trainer-side clients: `FleetWeightSync` drives the HTTP sequence on every replica (pause, start,
+- The trainer-side client: `FleetWeightSync` drives the HTTP sequence on every replica (pause, start,
   update with bounded retries, finish with the version, reset the prefix cache, resume — always resume —
-  and confirm `/weight_info`); `NcclWeightSync` drives vLLM's own `nccl` backend (GPU only).
+  and confirm `/weight_info`). The NCCL path (vLLM's own `nccl` backend, GPU only) is `nccl_sync.py`.
 
 Imported inside vLLM's worker processes: no megatron and nothing heavy at import beyond torch and
 safetensors; vLLM is imported inside functions, httpx only by the clients.
@@ -34,7 +34,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -187,7 +187,7 @@ class PublishedWeights:
         return info
 
 
-def _check_version(version: str) -> None:
+def check_version(version: str) -> None:
     if not isinstance(version, str) or not version.strip() or len(version) > 200:
         raise WeightSyncError(
             f"weights version must be a non-empty string of at most 200 chars, got {version!r}"
@@ -213,7 +213,7 @@ def publish_weights(
     `out_dir` either does not exist or is complete; it must not exist beforehand (one directory per
     version).
     """
-    _check_version(version)
+    check_version(version)
     out_dir = Path(out_dir)
     source_dir = Path(source_dir)
     if out_dir.exists():
@@ -1064,158 +1064,3 @@ def _error_text(response: httpx.Response) -> str:
         if "detail" in body:
             return str(body["detail"])[:2000]
     return response.text.strip()[:2000]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Trainer side: vLLM's native NCCL weight transfer (GPU only)
-# ---------------------------------------------------------------------------------------------------------
-
-
-class NcclWeightSync:
-    """Broadcast weights from this trainer process to vLLM replicas over NCCL — GPU only, untested on CPU.
-
-    The engines run vLLM's own `nccl` backend (`--weight-transfer-config '{"backend":"nccl"}'`, no worker
-    extension). This process is NCCL rank 0 and the only sender: it must hold the full Hugging Face-named
-    state dict on its CUDA device (gather it from the other trainer ranks first). Each replica's workers take
-    the next ranks (offsets from `GET /get_world_size`). The transfer itself is vLLM's trainer-side
-    `NCCLTrainerWeightTransferEngine` (start → concurrent update/broadcast → finish); around it this class
-    pauses, sets the version, resets the prefix cache and resumes, as `FleetWeightSync` does.
-
-    Unlike the filesystem backend, vLLM's `nccl` backend starts its layer-wise reload in
-    `start_weight_update`: a transfer that breaks half way leaves the engine's layers on the meta device,
-    and the replica must be restarted. Nothing here retries a broadcast.
-    """
-
-    def __init__(
-        self,
-        base_urls: Sequence[str],
-        *,
-        master_address: str,
-        master_port: int,
-        pause_mode: PauseMode = "keep",
-        timeout: float = 600.0,
-        packed: bool = True,
-    ) -> None:
-        """`master_address:master_port`: a TCP endpoint of this process that every engine worker can reach."""
-        self._fleet = FleetWeightSync(base_urls, pause_mode=pause_mode, timeout=timeout, update_attempts=1)
-        self.master_address = master_address
-        self.master_port = master_port
-        self.packed = packed
-        self._engine: Any = None
-
-    def connect(self, weights: Callable[[], Mapping[str, torch.Tensor]]) -> None:
-        """Rendezvous with every replica's workers. `weights()` returns the current HF state dict (CUDA)."""
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource  # noqa: PLC0415
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: PLC0415
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo  # noqa: PLC0415
-
-        fleet = self._fleet
-
-        class StateDictSource(WeightSource):
-            """One `weights()` snapshot per round, shared by `metadata()` and the iteration that follows."""
-
-            def __init__(self) -> None:
-                self._snapshot: Mapping[str, torch.Tensor] | None = None
-
-            def metadata(self) -> list[ParamMeta]:
-                self._snapshot = weights()
-                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self._snapshot.items()]
-
-            def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-                snapshot = self._snapshot if self._snapshot is not None else weights()
-                self._snapshot = None
-                yield from snapshot.items()
-
-        sizes = []
-        for url in fleet.base_urls:
-            body = fleet._request("GET", url, "/get_world_size", params={"include_dp": "true"})
-            sizes.append(int(body["world_size"]))
-        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        init_info = NCCLTrainerInitInfo(
-            master_address=self.master_address,
-            master_port=self.master_port,
-            world_size=1 + sum(sizes),
-            packed=self.packed,
-            rank=0,
-        )
-        client = _FanOutClient(fleet, offsets)
-        self._engine = WeightTransferTrainerFactory.trainer_init(
-            init_info, client=client, source=StateDictSource()
-        )
-
-    def sync(self, version: str) -> SyncReport:
-        """Send the current weights to every replica as `version`."""
-        _check_version(version)
-        if self._engine is None:
-            raise WeightSyncError("call connect() before sync()")
-        fleet = self._fleet
-        started = time.perf_counter()
-        try:
-            for url in fleet.base_urls:
-                fleet._post(url, "/pause", params={"mode": fleet.pause_mode, "clear_cache": "false"})
-            self._engine.send_weights()
-            for url in fleet.base_urls:
-                fleet._post(url, "/update_weight_version", json={"new_version": version})
-                fleet._reset_prefix_cache(url)
-        except BaseException as exc:
-            errors = [e for e in (fleet._try_resume(url) for url in fleet.base_urls) if e is not None]
-            if not isinstance(exc, WeightSyncError):
-                raise
-            raise WeightSyncError(
-                f"NCCL weight sync of {version} failed: {exc}; resume errors: {errors}"
-            ) from exc
-        errors = [e for e in (fleet._try_resume(url) for url in fleet.base_urls) if e is not None]
-        if errors:
-            raise WeightSyncError(f"NCCL weight sync of {version}: replicas did not resume: {errors}")
-        served = fleet.served_versions()
-        if any(v != version for v in served):
-            raise WeightSyncError(f"after syncing {version} the replicas report {served}")
-        seconds = time.perf_counter() - started
-        replicas = tuple(ReplicaSync(url=url, seconds=seconds, attempts=1) for url in fleet.base_urls)
-        return SyncReport(version=version, replicas=replicas, seconds=seconds)
-
-    def close(self) -> None:
-        if self._engine is not None:
-            self._engine.shutdown()
-            for url in self._fleet.base_urls:
-                with contextlib.suppress(WeightSyncError):
-                    self._fleet._post(url, "/shutdown_weight_transfer_engine")
-            self._engine = None
-        self._fleet.close()
-
-
-class _FanOutClient:
-    """vLLM's `VLLMWeightSyncClient` over several replicas: every call goes to all of them concurrently.
-
-    Concurrency is required, not an optimisation: each replica's init and update block inside NCCL
-    collectives until every rank of the group has joined. Each replica gets its own `rank_offset`.
-    """
-
-    def __init__(self, fleet: FleetWeightSync, offsets: Sequence[int]) -> None:
-        self._fleet = fleet
-        self._offsets = list(offsets)
-
-    def _all(self, call: Callable[[str, int], object]) -> None:
-        urls = self._fleet.base_urls
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(urls)) as pool:
-            for future in [
-                pool.submit(call, url, offset) for url, offset in zip(urls, self._offsets, strict=True)
-            ]:
-                future.result()
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._all(
-            lambda url, offset: self._fleet._post(
-                url, "/init_weight_transfer_engine", json={"init_info": {**init_info, "rank_offset": offset}}
-            )
-        )
-
-    def start_weight_update(self) -> None:
-        self._all(lambda url, _: self._fleet._post(url, "/start_weight_update"))
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._all(lambda url, _: self._fleet._post(url, "/update_weights", json={"update_info": update_info}))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        body = {"weight_version": weight_version} if weight_version is not None else {}
-        self._all(lambda url, _: self._fleet._post(url, "/finish_weight_update", json=body))
