@@ -100,9 +100,9 @@ def test_nccl_sync_sends_the_gathered_weights_to_every_replica(
     store = root / "store"
     shutil.copytree(template, store)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(WORKER), "run",
-        "--tiny", str(tiny), "--store", str(store), "--out", str(root / "out.pt"), "--tp", "2", "--ep", "2",
-        "--steps", "2", *(a for r in replicas for a in ("--fleet", r.url)),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+        str(WORKER), "run", "--tiny", str(tiny), "--store", str(store), "--out", str(root / "out.pt"),
+        "--tp", "2", "--ep", "2", "--steps", "2", *(a for r in replicas for a in ("--fleet", r.url)),
     ]  # fmt: skip
     done = subprocess.run(
         command,
