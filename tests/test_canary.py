@@ -8,6 +8,7 @@ import dataclasses
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from legorl.api.kinds import RLRun
@@ -88,7 +89,8 @@ def test_token_parity_fails_below_the_guard_and_routing_never_passes_silently() 
     assert token.result == "Failed" and "below fidelity.minCorrelation 0.99" in token.message
     routed = record()
     routed = dataclasses.replace(
-        routed, segments=[dataclasses.replace(routed.segments[0], routed_experts=[0] * 8)]
+        routed,
+        segments=[dataclasses.replace(routed.segments[0], routed_experts=np.zeros((3, 1, 2), np.uint8))],
     )
     _, routing = parity_checks(routed, scored(behavior, behavior, replayed=False), run())
     assert routing.result == "Failed" and "0.0%" in routing.message

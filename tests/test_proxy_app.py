@@ -26,6 +26,7 @@ from typing import Any
 import anthropic
 import httpx
 import numpy as np
+import numpy.typing as npt
 import openai
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -33,6 +34,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from legorl.api.trajectory import Segment
 from legorl.proxy.app import ProxyApp
 from legorl.proxy.journal import read_journal
 from legorl.proxy.settings import ProxySettings
@@ -86,8 +88,8 @@ class Answer:
     finish_reason: str | None
     complete: bool
     """A whole JSON body, or a stream that reached `[DONE]`."""
-    routed_experts: list[int] | None = None
-    """The routing it attached, flattened (see `RecordingEngine.routing`)."""
+    routed_experts: npt.NDArray[Any] | None = None
+    """The routing it attached (see `RecordingEngine.routing`)."""
 
 
 def parse_answer(raw: bytes) -> Answer | None:
@@ -122,7 +124,7 @@ def parse_answer(raw: bytes) -> Answer | None:
         [e["logprob"] for e in choice["logprobs"]["content"]],
         choice["finish_reason"],
         complete=True,
-        routed_experts=decode_routing(routing).reshape(-1).tolist() if routing else None,
+        routed_experts=decode_routing(routing) if routing else None,
     )
 
 
@@ -1391,12 +1393,19 @@ def test_routed_experts_are_captured(make_shared: MakeStack, fmt: str, stream: b
     assert [r["stream"] for r in stack.engine.app.fake.requests] == [False, False]
     turns = assert_journal_matches_engine(stack)
     for turn, answer in zip(turns, stack.engine.app.good_answers, strict=True):
-        assert turn["routed_experts"] == answer.routed_experts
+        # Journaled as the engine's array: vLLM's int32 ids here are all below 61, so uint8.
+        assert isinstance(turn["routed_experts"], np.ndarray) and turn["routed_experts"].dtype == np.uint8
+        np.testing.assert_array_equal(turn["routed_experts"], answer.routed_experts)
         rows = len(turn["prompt_token_ids"]) + len(turn["completion_token_ids"]) - 1
         assert turn["routed_experts_shape"] == [rows, 3, 2]
+        assert turn["routed_experts"].shape == (rows, 3, 2)
     segments = stack.trajectory()["segments"][-2:]  # two unrelated prompts: a segment each
     assert [s["turn_indices"] for s in segments] == [[t["index"]] for t in turns]
-    assert [s["routed_experts"] for s in segments] == [t["routed_experts"] for t in turns]
+    # GET /trajectory sends routing as base64 arrays, which the run controller decodes without lists.
+    assert [s["routed_experts"]["$array"] for s in segments] == ["u1", "u1"]
+    for seg, turn in zip((Segment.from_json(s) for s in segments), turns, strict=True):
+        assert seg.routed_experts is not None
+        np.testing.assert_array_equal(seg.routed_experts, turn["routed_experts"])
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -822,9 +822,10 @@ def test_routed_experts_ride_along_undecoded() -> None:
     comp = completion_from_response(body)
     assert comp.routed_experts == choice["routed_experts"]
     assert comp.routed_experts is not None
-    flat, shape = decode_routed_experts(comp.routed_experts)
-    assert shape == (len(comp.prompt_token_ids) + len(comp.completion_token_ids) - 1, 2, 4)
-    assert flat == routing.reshape(-1).tolist()
+    routed = decode_routed_experts(comp.routed_experts)
+    assert routed.shape == (len(comp.prompt_token_ids) + len(comp.completion_token_ids) - 1, 2, 4)
+    assert routed.dtype == np.uint8  # int32 ids all below 256: narrowed
+    np.testing.assert_array_equal(routed, routing)
 
 
 def without_token_ids(body: dict[str, Any]) -> dict[str, Any]:

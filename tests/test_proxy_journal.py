@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from legorl.api.trajectory import ApiFormat, Turn
+from legorl.api.trajectory import ApiFormat, Turn, routing_array
 from legorl.proxy.errors import ProxyError
 from legorl.proxy.journal import (
     Journal,
@@ -334,8 +334,8 @@ def make_turn(**changes: Any) -> Turn:
         policy_versions=["step-3", "step-4"],
         started_at=T0,
         ended_at=T0 + timedelta(seconds=1, microseconds=7),
-        routed_experts=[(i * 7) % 65536 for i in range(rows * 2 * 2)],
-        routed_experts_shape=(rows, 2, 2),
+        # Ids up to 364: uint16, as vLLM sends them for a model of more than 256 experts.
+        routed_experts=routing_array(np.arange(rows * 2 * 2, dtype=np.uint16) * 7, (rows, 2, 2)),
         ttft_seconds=0.012345678901234567,
         request_body='{"model": "gpt-5-codex", "input": "naïve \\n ✓"}',
         response_body="línea 1\nline 2 ✓",
@@ -351,13 +351,14 @@ def bits(values: list[float]) -> list[bytes]:
     "turn",
     [
         make_turn(),
-        make_turn(routed_experts=None, routed_experts_shape=None, ttft_seconds=None, request_body=None),
+        make_turn(routed_experts=np.arange(13 * 2 * 2, dtype=np.uint8).reshape(13, 2, 2)),
+        make_turn(routed_experts=None, ttft_seconds=None, request_body=None),
         make_turn(
             started_at=datetime(2025, 3, 1, 17, 30, 0, 1, tzinfo=timezone(timedelta(hours=5, minutes=30))),
             ended_at=datetime(2025, 3, 1, 12, 0, 1, tzinfo=UTC),
         ),
     ],
-    ids=["routed", "bare", "offset-timezone"],
+    ids=["routed-uint16", "routed-uint8", "bare", "offset-timezone"],
 )
 @pytest.mark.asyncio
 async def test_a_turn_survives_the_journal_exactly(tmp_path: Path, turn: Turn) -> None:
@@ -379,6 +380,18 @@ async def test_a_turn_survives_the_journal_exactly(tmp_path: Path, turn: Turn) -
     assert back.started_at.utcoffset() == turn.started_at.utcoffset()
     assert back.ended_at == turn.ended_at
     assert isinstance(back.routed_experts_shape, tuple | type(None))
+    if turn.routed_experts is None:
+        assert back.routed_experts is None
+    else:
+        # The array itself, its width kept: no list of ints on the way in or out.
+        assert isinstance(back.routed_experts, np.ndarray)
+        assert back.routed_experts.dtype == turn.routed_experts.dtype
+        assert isinstance(stored["routed_experts"], np.ndarray)
+        payload = json.loads((tmp_path / FILENAME).read_bytes()[8:])
+        assert payload["routed_experts"]["$array"] == (
+            "u1" if turn.routed_experts.dtype == np.uint8 else "u2"
+        )
+        assert payload["routed_experts"]["shape"] == list(turn.routed_experts.shape)
     if turn.ttft_seconds is not None:
         assert back.ttft_seconds is not None
         assert bits([back.ttft_seconds]) == bits([turn.ttft_seconds])
@@ -399,16 +412,18 @@ def test_routed_experts_decode_from_vllms_npy(dtype: Any) -> None:
     high = min(np.iinfo(np.dtype(dtype)).max, 65535) + 1
     array = rng.integers(0, high, size=(tokens - 1, layers, top_k)).astype(dtype)
     array[0, 0, 0] = high - 1  # the largest id the dtype (or uint16) holds
-    flat, shape = decode_routed_experts(npy_base64(array))
-    assert shape == (tokens - 1, layers, top_k)
-    # Row-major: token, then layer, then k.
-    assert flat == [
-        int(array[t, layer, k]) for t in range(tokens - 1) for layer in range(layers) for k in range(top_k)
-    ]
+    routed = decode_routed_experts(npy_base64(array))
+    assert routed.shape == (tokens - 1, layers, top_k)
+    np.testing.assert_array_equal(routed, array)
+    # vLLM's own uint8/uint16 (chosen from the model's expert count) are kept; wider ints are narrowed to
+    # what holds their largest id (here 65535: uint16); always native byte order.
+    assert routed.dtype == (np.uint8 if np.dtype(dtype) == np.uint8 else np.uint16)
+    assert routed.dtype.isnative
 
 
 def test_routed_experts_of_an_empty_sequence_decode_to_nothing() -> None:
-    assert decode_routed_experts(npy_base64(np.zeros((0, 4, 2), np.uint8))) == ([], (0, 4, 2))
+    routed = decode_routed_experts(npy_base64(np.zeros((0, 4, 2), np.uint8)))
+    assert routed.shape == (0, 4, 2) and routed.dtype == np.uint8
 
 
 def _npz() -> str:
@@ -455,3 +470,71 @@ def test_an_npz_archive_is_an_engine_error() -> None:
     with pytest.raises(ProxyError) as caught:
         decode_routed_experts(_npz())
     assert caught.value.kind == "engine_error"
+
+
+def v1_journal_record(turn: Turn, *, packed_routing: bool = True) -> bytes:
+    """A turn record framed exactly as the journal wrote it before routing stayed numpy: the routing as a flat
+    `{"$array": "u2"}` (or, where packing failed, a plain list) next to `routed_experts_shape`."""
+    assert turn.routed_experts is not None
+    flat = [int(x) for x in turn.routed_experts.reshape(-1)]
+
+    def packed(values: list[Any], code: str, kind: str) -> dict[str, str]:
+        return {
+            "$array": kind,
+            "b64": base64.b64encode(struct.pack(f"<{len(values)}{code}", *values)).decode(),
+        }
+
+    record = {
+        "type": "turn",
+        "run": turn.run,
+        "trial": turn.trial,
+        "session": turn.session,
+        "index": turn.index,
+        "api_format": turn.api_format.value,
+        "prompt_token_ids": packed(turn.prompt_token_ids, "i", "i4"),
+        "completion_token_ids": packed(turn.completion_token_ids, "i", "i4"),
+        "completion_logprobs": packed(turn.completion_logprobs, "d", "f8"),
+        "finish_reason": turn.finish_reason,
+        "policy_versions": turn.policy_versions,
+        "started_at": turn.started_at.isoformat(),
+        "ended_at": turn.ended_at.isoformat(),
+        "routed_experts": packed(flat, "H", "u2") if packed_routing else flat,
+        "routed_experts_shape": list(turn.routed_experts.shape),
+        "ttft_seconds": turn.ttft_seconds,
+        "request_body": turn.request_body,
+        "response_body": turn.response_body,
+        "prompt_tokens": turn.prompt_tokens,
+        "completion_tokens": turn.completion_tokens,
+    }
+    return frame(json.dumps(record).encode())
+
+
+@pytest.mark.parametrize("packed_routing", [True, False], ids=["packed-u2", "plain-list"])
+@pytest.mark.asyncio
+async def test_a_journal_written_before_numpy_routing_still_reads(
+    tmp_path: Path, packed_routing: bool
+) -> None:
+    old = make_turn()
+    new = make_turn(index=4, routed_experts=np.arange(13 * 2 * 2, dtype=np.uint8).reshape(13, 2, 2))
+    (tmp_path / FILENAME).write_bytes(v1_journal_record(old, packed_routing=packed_routing))
+    journal = Journal(tmp_path)  # a proxy restarted after the upgrade appends to the old journal
+    try:
+        assert journal.recovered.dropped_bytes == 0
+        await journal.append(turn_to_record(new))
+    finally:
+        journal.close()
+    first, second = (turn_from_record(r) for r in read_journal(tmp_path).records)
+    assert first == old and second == new
+    assert first.routed_experts is not None and first.routed_experts.dtype == np.uint16
+    assert second.routed_experts is not None and second.routed_experts.dtype == np.uint8
+
+
+def test_a_checksummed_record_whose_routing_does_not_decode_ends_the_journal(tmp_path: Path) -> None:
+    """Like any record that does not decode: treated as the torn tail, never half-read."""
+    good = v1_journal_record(make_turn())
+    bad = json.loads(good[8:])
+    bad["routed_experts"] = {"$array": "u2", "b64": base64.b64encode(b"\x00" * 6).decode()}  # 3 ids, not 52
+    (tmp_path / FILENAME).write_bytes(good + frame(json.dumps(bad).encode()))
+    recovered = read_journal(tmp_path)
+    assert len(recovered.records) == 1
+    assert recovered.dropped_bytes == len(frame(json.dumps(bad).encode()))

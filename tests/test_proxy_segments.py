@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from legorl.api.trajectory import ApiFormat, Segment, Turn
+from legorl.api.trajectory import ApiFormat, Segment, Turn, routing_array
 from legorl.proxy.segments import Assembler, assemble_segments
 
 T0 = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
@@ -24,11 +27,11 @@ def expert(turn: int, position: int, layer: int, k: int) -> int:
     return turn * TURN_STRIDE + position * LAYERS * TOP_K + layer * TOP_K + k
 
 
-def routing_for(turn: int, tokens: int) -> tuple[list[int], tuple[int, int, int]]:
+def routing_for(turn: int, tokens: int) -> npt.NDArray[Any]:
     """Routing as vLLM returns it for a call over `tokens` tokens: one row per token but the last."""
     rows = tokens - 1
     flat = [expert(turn, p, layer, k) for p in range(rows) for layer in range(LAYERS) for k in range(TOP_K)]
-    return flat, (rows, LAYERS, TOP_K)
+    return routing_array(np.array(flat, dtype=np.int64), (rows, LAYERS, TOP_K))
 
 
 def make_turn(
@@ -44,9 +47,9 @@ def make_turn(
     if logprobs is None:
         # Distinct, recognisable values: -(index + 1) - position / 1000.
         logprobs = [-(index + 1) - i / 1000 for i in range(len(completion))]
-    experts, shape = (None, None)
+    experts = None
     if routed:
-        experts, shape = routing_for(
+        experts = routing_for(
             index if routing_source is None else routing_source, len(prompt) + len(completion)
         )
     turn = Turn(
@@ -63,7 +66,6 @@ def make_turn(
         started_at=T0,
         ended_at=T0,
         routed_experts=experts,
-        routed_experts_shape=shape,
     )
     turn.check()
     return turn
@@ -71,11 +73,11 @@ def make_turn(
 
 def rows_of(segment: Segment) -> list[list[int]]:
     """The segment's routing as one flat row (layers × top_k) per token."""
-    assert segment.routed_experts is not None
-    assert segment.routed_experts_shape is not None
-    rows, layers, top_k = segment.routed_experts_shape
-    width = layers * top_k
-    return [segment.routed_experts[r * width : (r + 1) * width] for r in range(rows)]
+    assert isinstance(segment.routed_experts, np.ndarray)
+    assert segment.routed_experts_shape == segment.routed_experts.shape
+    rows, layers, top_k = segment.routed_experts.shape
+    rows_list: list[list[int]] = segment.routed_experts.reshape(rows, layers * top_k).tolist()
+    return rows_list
 
 
 def row(turn: int, position: int) -> list[int]:
@@ -283,8 +285,7 @@ def test_routing_of_a_different_layout_drops_the_segments_routing() -> None:
     tokens = len(prompt) + len(ANSWER2)
     other = dataclasses.replace(
         turns[1],
-        routed_experts=[0] * (tokens - 1) * LAYERS * (TOP_K + 1),
-        routed_experts_shape=(tokens - 1, LAYERS, TOP_K + 1),
+        routed_experts=np.zeros((tokens - 1, LAYERS, TOP_K + 1), np.uint16),
     )
     other.check()
     (seg,) = assemble_segments([turns[0], other]).segments
@@ -298,6 +299,26 @@ def test_separate_segments_keep_their_own_routing() -> None:
     a, b = assemble_segments([first, compacted]).segments
     assert rows_of(a) == [row(0, p) for p in range(len(SYSTEM + USER1 + ANSWER1) - 1)]
     assert rows_of(b) == [row(1, p) for p in range(len(SYSTEM) + 2)]
+
+
+def test_a_segment_of_turns_of_both_widths_is_of_the_wider() -> None:
+    """An engine that sends int32 gets each turn narrowed on its own ids: a turn that only used experts below
+    256 is uint8, the next uint16. The segment holds one dtype, the wider, and every id exactly."""
+    turns = clean_conversation(routed=True)
+    small = turns[0].routed_experts
+    assert small is not None
+    narrow = dataclasses.replace(turns[0], routed_experts=routing_array(small.astype(np.int64) % 200))
+    assert narrow.routed_experts is not None and narrow.routed_experts.dtype == np.uint8
+    assert turns[1].routed_experts is not None and turns[1].routed_experts.dtype == np.uint16
+    (seg,) = assemble_segments([narrow, turns[1]]).segments
+    seg.check()
+    assert seg.routed_experts is not None and seg.routed_experts.dtype == np.uint16
+    prior = len(narrow.prompt_token_ids) + len(narrow.completion_token_ids)
+    np.testing.assert_array_equal(seg.routed_experts[: prior - 1], narrow.routed_experts)
+    np.testing.assert_array_equal(seg.routed_experts[prior - 1 :], turns[1].routed_experts[prior - 1 :])
+    # A conversation of one width keeps it.
+    (alone,) = assemble_segments([narrow]).segments
+    assert alone.routed_experts is not None and alone.routed_experts.dtype == np.uint8
 
 
 tokens = st.integers(min_value=0, max_value=151_000)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import uuid
@@ -10,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -20,7 +22,14 @@ from legorl.api.store import (
     parse_policy_version,
     policy_version,
 )
-from legorl.api.trajectory import Segment, TerminationReason, TrialRecord
+from legorl.api.trajectory import (
+    SCHEMA_VERSION,
+    Segment,
+    TerminationReason,
+    TrialRecord,
+    routing_array,
+)
+from tests.trajectory_v1 import write_v1_batch, write_v1_saved_trial
 
 T0 = datetime(2025, 6, 1, 8, 30, tzinfo=UTC)
 
@@ -33,8 +42,7 @@ def make_trial(name: str, *, reward: float | None = 1.0, step: int = 1) -> Trial
         behavior_logprobs=[0.0, 0.0, -0.5, -1.25],
         turn_indices=[0],
         policy_versions=["v0"],
-        routed_experts=list(range(3 * 2 * 2)),
-        routed_experts_shape=(3, 2, 2),
+        routed_experts=routing_array(np.arange(3 * 2 * 2), (3, 2, 2)),
     )
     return TrialRecord(
         run="run-a",
@@ -122,7 +130,7 @@ def test_commit_and_read_batch(store: RunStore) -> None:
     assert batch.trials == trials
     marker = json.loads(store.fs.cat_file(store.fs_path("batches/step-000001/COMMIT.json")))
     assert marker["sha256"] == ref.sha256
-    assert marker["schema_version"] == 1
+    assert marker["schema_version"] == SCHEMA_VERSION == 2
     store.commit_batch(12, [make_trial("t3", step=12)], policy_version="v11")
     store.commit_batch(3, [make_trial("t4", step=3)], policy_version="v2")
     assert store.committed_steps() == [1, 3, 12]
@@ -201,8 +209,8 @@ def test_schema_and_format_versions_are_checked(store: RunStore) -> None:
     store.commit_batch(1, [make_trial("t1")], policy_version="v0")
     path = "batches/step-000001/COMMIT.json"
     marker = json.loads(store.fs.cat_file(store.fs_path(path)))
-    put_raw(store, path, json.dumps({**marker, "schema_version": 2}).encode())
-    with pytest.raises(StoreError, match="trajectory schema version 2; this legorl reads version 1"):
+    put_raw(store, path, json.dumps({**marker, "schema_version": 3}).encode())
+    with pytest.raises(StoreError, match="trajectory schema version 3; this legorl reads version 2"):
         store.read_batch(1)
     put_raw(store, path, json.dumps({**marker, "format": 9}).encode())
     with pytest.raises(StoreError, match="store format 9"):
@@ -212,7 +220,7 @@ def test_schema_and_format_versions_are_checked(store: RunStore) -> None:
         pa.BufferReader(store.fs.cat_file(store.fs_path("batches/step-000001/trials.parquet")))
     )
     meta = dict(table.schema.metadata)
-    meta[b"legorl.schema_version"] = b"2"
+    meta[b"legorl.schema_version"] = b"3"
     sink = pa.BufferOutputStream()
     pq.write_table(table.replace_schema_metadata(meta), sink)
     data = sink.getvalue().to_pybytes()
@@ -222,11 +230,58 @@ def test_schema_and_format_versions_are_checked(store: RunStore) -> None:
         path,
         json.dumps({**marker, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}).encode(),
     )
-    with pytest.raises(StoreError, match="schema version 2; this legorl reads version 1"):
+    with pytest.raises(StoreError, match="schema version 3; this legorl reads version 2"):
         store.read_batch(1)
     put_raw(store, path, b"{not json")
     with pytest.raises(StoreError, match="not valid JSON"):
         store.read_batch(1)
+
+
+def test_batches_are_zstd_parquet_without_dictionary_encoding(store: RunStore) -> None:
+    """Dictionary pages buy nothing on routing bytes and cost time (benchmarks/routing_io.py): off."""
+    store.commit_batch(1, [make_trial("t1"), make_trial("t2")], policy_version="v0")
+    store.save_trial(make_trial("t3"))
+    for relative in ("batches/step-000001/trials.parquet", "trials/train/step-000001/t3.parquet"):
+        meta = pq.ParquetFile(pa.BufferReader(store.fs.cat_file(store.fs_path(relative)))).metadata
+        columns = [
+            meta.row_group(g).column(c) for g in range(meta.num_row_groups) for c in range(meta.num_columns)
+        ]
+        assert {c.compression for c in columns} == {"ZSTD"}
+        dictionary = [c.path_in_schema for c in columns if any("DICTIONARY" in e for e in c.encodings)]
+        assert dictionary == [], f"{relative}: dictionary-encoded columns {dictionary}"
+        paths = {c.path_in_schema for c in columns}
+        assert "segments.list.element.routed_experts" in paths
+
+
+def wide_trial(name: str, *, step: int = 1) -> TrialRecord:
+    """A trial whose routing needs uint16 (a model with more than 256 experts)."""
+    trial = make_trial(name, step=step)
+    seg = dataclasses.replace(
+        trial.segments[0], routed_experts=routing_array(np.arange(12) * 50 + 3, (3, 2, 2))
+    )
+    return dataclasses.replace(trial, segments=[seg])
+
+
+def test_a_version_1_store_still_reads(store: RunStore) -> None:
+    """Batches and saved trials written before the schema bump (routing as list<uint16>) read as arrays."""
+    trials = [make_trial("t1"), wide_trial("t2")]
+    write_v1_batch(store, 1, trials, policy_version="v0")
+    marker = json.loads(store.fs.cat_file(store.fs_path("batches/step-000001/COMMIT.json")))
+    assert marker["schema_version"] == 1
+    batch = store.read_batch(1)
+    assert batch.trials == trials
+    narrow, wide = (t.segments[0].routed_experts for t in batch.trials)
+    assert narrow is not None and narrow.dtype == np.uint8
+    assert wide is not None and wide.dtype == np.uint16
+    # A controller upgraded between its commit and recording it commits the same step again: the same
+    # records are the same commit, whatever version wrote it; other records are refused.
+    assert store.commit_batch(1, trials, policy_version="v0") == batch.ref
+    with pytest.raises(StoreError, match="different content"):
+        store.commit_batch(1, [make_trial("t1")], policy_version="v0")
+    # Saved trials of both versions side by side in one step's folder.
+    write_v1_saved_trial(store, make_trial("s1"))
+    store.save_trial(wide_trial("s2"))
+    assert store.saved_trials("train", 1) == [make_trial("s1"), wide_trial("s2")]
 
 
 def test_commit_rejects_bad_input(store: RunStore) -> None:

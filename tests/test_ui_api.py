@@ -22,6 +22,7 @@ from legorl.controller.canary import CanaryReport, Check, write_report
 from legorl.ui.server import CSP, UiApp
 from legorl.ui.settings import UiSettings
 from legorl.ui.synthetic import write_synthetic_store
+from tests.trajectory_v1 import write_v1_batch, write_v1_saved_trial
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ui-run" / "store"
 RUN = "ui-fixture"
@@ -378,3 +379,28 @@ async def test_actions_need_a_configured_token(synthetic: Path) -> None:
         )
         info: dict[str, Any] = (await api.get("/api/info")).json()
         assert info["actions_enabled"] is True and "s3cret" not in json.dumps(info)
+
+
+@pytest.mark.asyncio
+async def test_routing_of_a_version_1_store_shows_the_same(tmp_path: Path, synthetic: Path) -> None:
+    """A store written before the trajectory schema's bump (routing as list<uint16>) shows the same experts
+    per token as today's (raw bytes + dtype)."""
+    async for api in _client(UiSettings(stores=(str(synthetic),))):
+        items = (await api.get("/api/runs/synth/trials", params={"limit": 500, "step": 1})).json()["items"]
+        trial = next(r for r in items if r["num_turns"] and r["split"] == "train")
+        assert trial["step"] == 1
+        today = (await api.get(f"/api/runs/synth/trials/{trial['trial']}")).json()
+    old_dir = tmp_path / "store"
+    shutil.copytree(synthetic, old_dir)
+    store = RunStore(str(old_dir))
+    batch = store.read_batch(1)
+    write_v1_batch(store, 1, batch.trials, policy_version=batch.ref.policy_version)
+    for record in store.saved_trials("train", 1):
+        write_v1_saved_trial(store, record)
+    assert (
+        json.loads(store.fs.cat_file(store.fs_path("batches/step-000001/COMMIT.json")))["schema_version"] == 1
+    )
+    async for api in _client(UiSettings(stores=(str(old_dir),))):
+        before = (await api.get(f"/api/runs/synth/trials/{trial['trial']}")).json()
+    assert before["segments"][0]["routing"] == {"layers": 2, "top_k": 2}
+    assert before["segments"] == today["segments"]

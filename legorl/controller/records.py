@@ -48,13 +48,14 @@ def reconcile(sandbox_reason: str, trajectory: Mapping[str, Any] | None) -> Term
 
 
 def segments_from(trajectory: Mapping[str, Any] | None) -> list[Segment]:
-    """Segments of `GET /trajectory` (rows in the run store's own layout)."""
+    """Segments of `GET /trajectory` (`Segment.to_json`: routing as base64 arrays, never int lists; an
+    older proxy's flat lists still read)."""
     if trajectory is None:
         return []
     rows = trajectory.get("segments") or []
     if not isinstance(rows, list):  # `?tokens=false` summaries carry a count
         raise ValueError("the trajectory was fetched without tokens (?tokens=false)")
-    return [Segment.from_row(row) for row in rows]
+    return [Segment.from_json(row) for row in rows]
 
 
 def findings_from(items: Sequence[Mapping[str, Any]]) -> list[TamperFinding]:

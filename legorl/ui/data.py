@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from legorl.api.store import RunStore, StoreError, parse_policy_version
 from legorl.api.termination import INFRA_REASONS, TerminationReason
-from legorl.api.trajectory import TRIAL_SCHEMA
+from legorl.api.trajectory import TRIAL_SCHEMA, decode_routing
 
 from .tokens import TokenText, load_token_text
 
@@ -860,7 +860,7 @@ class StoreData:
             mask = list(seg["loss_mask"])[:n]
             logprobs = [float(x) for x in list(seg["behavior_logprobs"])[:n]]
             text = tok.pieces(ids) if tok is not None else None
-            experts = _routing(seg.get("routed_experts"), seg.get("routed_experts_shape"), n)
+            experts = _routing(seg, n)
             train = trained.get(int(seg["index"])) if trained else None
             train = train[:n] if train is not None and len(train) >= n else None
             segments.append(
@@ -926,20 +926,17 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _routing(
-    flat: list[int] | None, shape: list[int] | None, n: int
-) -> tuple[list[list[list[int]]], int, int] | None:
-    """Per token, the experts each layer routed it to (row i is token i; the last token has none)."""
-    if flat is None or shape is None:
+def _routing(seg: Mapping[str, Any], n: int) -> tuple[list[list[list[int]]], int, int] | None:
+    """Per token (the first `n`), the experts each layer routed it to (row i is token i; the last token has
+    none). `seg` is a stored segment row of any schema version (raw bytes + dtype, or a schema-1 list)."""
+    routed = decode_routing(
+        seg.get("routed_experts"), seg.get("routed_experts_shape"), seg.get("routed_experts_dtype")
+    )
+    if routed is None:
         return None
-    rows, layers, top_k = (int(x) for x in shape)
-    per_token: list[list[list[int]]] = []
-    for i in range(min(rows, n)):
-        base = i * layers * top_k
-        per_token.append(
-            [list(flat[base + l * top_k : base + (l + 1) * top_k]) for l in range(layers)]  # noqa: E741
-        )
-    return per_token, layers, top_k
+    _, layers, top_k = routed.shape
+    # Lists for the JSON answer: only the rows shown, never the training path.
+    return routed[: max(min(routed.shape[0], n), 0)].tolist(), int(layers), int(top_k)
 
 
 def _turns(

@@ -12,7 +12,7 @@ from typing import Any
 
 from legorl.api.store import RunStore, policy_version
 from legorl.api.termination import TerminationReason
-from legorl.api.trajectory import Segment, TamperFinding, TrialRecord
+from legorl.api.trajectory import Segment, TamperFinding, TrialRecord, routing_array
 
 __all__ = ["write_synthetic_store"]
 
@@ -39,12 +39,13 @@ def _segment(rng: random.Random, turns: int, tokens_per_turn: int, routing: bool
         mask += [1] * tokens_per_turn
         logprobs += [-abs(rng.gauss(0.0, 1.2)) for _ in range(tokens_per_turn)]
     experts = None
-    shape = None
     if routing:
         layers, top_k = 2, 2
         rows = len(ids) - 1
-        experts = [rng.randrange(8) for _ in range(rows * layers * top_k)]
-        shape = (rows, layers, top_k)
+        # Drawn from `rng` as before (the same store for the same seed), kept as the contract's array.
+        experts = routing_array(
+            [rng.randrange(8) for _ in range(rows * layers * top_k)], (rows, layers, top_k)
+        )
     return Segment(
         index=0,
         token_ids=ids,
@@ -53,7 +54,6 @@ def _segment(rng: random.Random, turns: int, tokens_per_turn: int, routing: bool
         turn_indices=list(range(turns)),
         policy_versions=[version],
         routed_experts=experts,
-        routed_experts_shape=shape,
     )
 
 

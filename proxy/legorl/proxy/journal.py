@@ -8,7 +8,10 @@ The long numeric arrays of a turn (token ids, log-probs, routed experts) are sto
 JSON as base64 of their little-endian bytes (`{"$array": "i4", "b64": ...}`): writing a float's
 shortest decimal repr costs about a microsecond, so a turn's few thousand numbers would make the
 journal the proxy's largest cost; the bytes are exact (log-probs as float64, as vLLM sent them).
-Records read back always hold plain lists again.
+Routed experts are written as the trajectory contract's JSON form (`routing_to_json`: uint8 or
+uint16 with their shape) straight from their numpy array. Records read back hold plain lists for
+token ids and log-probs and a numpy array (rows, layers, top_k) for routed experts; journals
+written before (routing as a flat `u2` array next to `routed_experts_shape`) read the same way.
 
 A record is acknowledged once its bytes and the file are fsync'd; the proxy answers the harness
 only after that. A crash can leave a torn tail (a short header, a short payload, or a payload
@@ -35,11 +38,12 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from legorl.api.trajectory import Turn
+import numpy as np
+
+from legorl.api.trajectory import Turn, decode_routing, routing_to_json
 from legorl.proxy import _json as fastjson
 
 __all__ = ["Journal", "JournalError", "Recovered", "read_journal", "turn_from_record", "turn_to_record"]
@@ -69,7 +73,6 @@ _PACKED: dict[str, str] = {
     "prompt_token_ids": "i4",
     "completion_token_ids": "i4",
     "completion_logprobs": "f8",
-    "routed_experts": "u2",
 }
 _TYPECODE = {"i4": "i", "f8": "d", "u2": "H"}
 
@@ -98,6 +101,10 @@ def _unpack_record(record: dict[str, Any]) -> dict[str, Any]:
     for key in _PACKED:
         if key in record:
             record[key] = _unpack(record[key])
+    if record.get("routed_experts") is not None:
+        record["routed_experts"] = decode_routing(
+            record["routed_experts"], record.get("routed_experts_shape")
+        )
     return record
 
 
@@ -144,6 +151,8 @@ def encode_record(record: dict[str, Any]) -> bytes:
     for key, kind in _PACKED.items():
         if isinstance(packed.get(key), list):
             packed[key] = _pack(packed[key], kind)
+    if isinstance(packed.get("routed_experts"), np.ndarray):
+        packed["routed_experts"] = routing_to_json(packed["routed_experts"])
     payload = fastjson.dumps(packed)
     return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
@@ -272,15 +281,10 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
 
 
 def turn_to_record(turn: Turn) -> dict[str, Any]:
-    """A turn as a JSON journal record (timestamps as ISO strings, floats exactly as vLLM sent)."""
-    row = turn.to_row()
-    row["started_at"] = turn.started_at.isoformat()
-    row["ended_at"] = turn.ended_at.isoformat()
-    return {"type": "turn", **row}
+    """A turn as a JSON journal record (timestamps as ISO strings, floats exactly as vLLM sent them,
+    routing in the contract's JSON form)."""
+    return {"type": "turn", **turn.to_json()}
 
 
 def turn_from_record(record: dict[str, Any]) -> Turn:
-    row = dict(record)
-    row["started_at"] = datetime.fromisoformat(row["started_at"])
-    row["ended_at"] = datetime.fromisoformat(row["ended_at"])
-    return Turn.from_row(row)
+    return Turn.from_json(record)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from legorl.api.trajectory import Segment, Turn
+import numpy as np
+
+from legorl.api.trajectory import ExpertIds, Segment, Turn
 
 __all__ = ["Assembler", "Assembly", "assemble_segments"]
 
@@ -27,9 +29,10 @@ class _Open:
     logprobs: list[float]
     turn_indices: list[int]
     versions: list[str]
-    # Routing rows: one per token that went through the model (all but the last token), flattened
-    # (layers × top_k each); None once any merged turn lacks routing.
-    routing: list[int] | None
+    # Routing rows, one per token that went through the model (all but the last token), as the
+    # turns' arrays (views, concatenated when a segment is read); None once any merged turn lacks
+    # routing or brings another (layers, top_k).
+    routing: list[ExpertIds] | None
     routing_row: tuple[int, int] | None
 
 
@@ -51,11 +54,11 @@ class Assembly:
         return self.merged_turns / (self.turns - 1)
 
 
-def _routing_rows(turn: Turn) -> tuple[list[int], tuple[int, int]] | None:
-    if turn.routed_experts is None or turn.routed_experts_shape is None:
+def _routing_rows(turn: Turn) -> tuple[ExpertIds, tuple[int, int]] | None:
+    if turn.routed_experts is None:
         return None
-    _, layers, top_k = turn.routed_experts_shape
-    return turn.routed_experts, (layers, top_k)
+    _, layers, top_k = turn.routed_experts.shape
+    return turn.routed_experts, (int(layers), int(top_k))
 
 
 def _start(turn: Turn) -> _Open:
@@ -66,7 +69,7 @@ def _start(turn: Turn) -> _Open:
         logprobs=[0.0] * len(turn.prompt_token_ids) + list(turn.completion_logprobs),
         turn_indices=[turn.index],
         versions=list(turn.policy_versions),
-        routing=list(routing[0]) if routing else None,
+        routing=[routing[0]] if routing else None,
         routing_row=routing[1] if routing else None,
     )
 
@@ -90,8 +93,7 @@ def _extend(seg: _Open, turn: Turn) -> None:
     # previous completion's last token (never fed through the model by the turn that sampled
     # it), the new prompt tokens, and this completion but its last token. Earlier rows keep the
     # routing of the call that sampled those tokens.
-    width = routing[1][0] * routing[1][1]
-    seg.routing.extend(routing[0][(prior - 1) * width :])
+    seg.routing.append(routing[0][max(prior - 1, 0) :])
 
 
 def _extends(seg: _Open, turn: Turn) -> bool:
@@ -142,8 +144,6 @@ class Assembler:
     def assembly(self) -> Assembly:
         segments = []
         for i, seg in enumerate(self._open):
-            rows = len(seg.token_ids) - 1
-            shape = (rows, *seg.routing_row) if seg.routing is not None and seg.routing_row else None
             segment = Segment(
                 index=i,
                 token_ids=list(seg.token_ids),
@@ -151,12 +151,19 @@ class Assembler:
                 behavior_logprobs=list(seg.logprobs),
                 turn_indices=list(seg.turn_indices),
                 policy_versions=list(seg.versions),
-                routed_experts=list(seg.routing) if shape and seg.routing is not None else None,
-                routed_experts_shape=shape,
+                routed_experts=_stitched(seg.routing),
             )
             segment.check()
             segments.append(segment)
         return Assembly(segments=segments, merged_turns=self._merged, turns=self._turns)
+
+
+def _stitched(parts: list[ExpertIds] | None) -> ExpertIds | None:
+    """One segment's routing: its turns' rows end to end. Turns of different widths (an engine that
+    sent wider ints, narrowed per turn) give the wider dtype: lossless, one dtype per segment."""
+    if parts is None:
+        return None
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def assemble_segments(turns: list[Turn]) -> Assembly:

@@ -15,8 +15,10 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
+
 from legorl.api.termination import TerminationReason
-from legorl.api.trajectory import ApiFormat, TrajectoryError, Turn
+from legorl.api.trajectory import ApiFormat, ExpertIds, TrajectoryError, Turn, routing_array
 from legorl.proxy.errors import ProxyError
 from legorl.proxy.formats.common import Completion
 from legorl.proxy.journal import Journal, JournalError, turn_from_record, turn_to_record
@@ -29,10 +31,9 @@ __all__ = ["EndState", "Trial", "decode_routed_experts"]
 log = logging.getLogger(__name__)
 
 
-def decode_routed_experts(encoded: str) -> tuple[list[int], tuple[int, int, int]]:
-    """vLLM's routed experts: base64 of a `.npy` array shaped (tokens - 1, layers, top_k)."""
-    import numpy as np  # noqa: PLC0415 - only fleets that capture routing need numpy
-
+def decode_routed_experts(encoded: str) -> ExpertIds:
+    """vLLM's routed experts: base64 of a `.npy` array shaped (tokens - 1, layers, top_k), as a routing
+    array (`legorl.api.trajectory.routing_array`: vLLM's uint8/uint16 kept, wider ints narrowed)."""
     try:
         array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
     except (binascii.Error, ValueError, OSError, EOFError) as exc:
@@ -44,10 +45,10 @@ def decode_routed_experts(encoded: str) -> tuple[list[int], tuple[int, int, int]
             "engine_error",
             f"routed_experts must be an integer array of 3 dimensions, got {array.dtype}{array.shape}",
         )
-    if array.size and (array.min() < 0 or array.max() > 65535):
-        raise ProxyError("engine_error", "routed_experts holds expert ids outside [0, 65535]")
-    rows, layers, top_k = (int(d) for d in array.shape)
-    return array.astype(np.uint16).reshape(-1).tolist(), (rows, layers, top_k)
+    try:
+        return routing_array(array)
+    except TrajectoryError as exc:
+        raise ProxyError("engine_error", str(exc)) from exc
 
 
 @dataclass(frozen=True)
@@ -153,9 +154,9 @@ class Trial:
                 f"the engine returned {len(comp.completion_logprobs)} logprobs for "
                 f"{len(comp.completion_token_ids)} tokens",
             )
-        routed, shape = None, None
+        routed = None
         if comp.routed_experts is not None:
-            routed, shape = decode_routed_experts(comp.routed_experts)
+            routed = decode_routed_experts(comp.routed_experts)
         elif self.settings.capture_routed_experts:
             raise ProxyError(
                 "engine_error",
@@ -176,7 +177,6 @@ class Trial:
             started_at=started_at,
             ended_at=datetime.now(UTC),
             routed_experts=routed,
-            routed_experts_shape=shape,
             ttft_seconds=ttft,
             request_body=request_body if self.settings.record_bodies else None,
             response_body=response_body if self.settings.record_bodies else None,
@@ -270,7 +270,7 @@ class Trial:
             # Bytes of a torn record cut off the journal at start (a crash mid-write; never acknowledged).
             "journalDroppedBytes": self.journal.recovered.dropped_bytes,
             "finishReasons": _count(t.finish_reason for t in self.turns),
-            "segments": [s.to_row() for s in assembly.segments] if tokens else len(assembly.segments),
+            "segments": [s.to_json() for s in assembly.segments] if tokens else len(assembly.segments),
         }
 
 

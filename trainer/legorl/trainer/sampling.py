@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 import numpy as np
 import torch
 
-from legorl.api.trajectory import Segment, TerminationReason, TrialRecord
+from legorl.api.trajectory import Segment, TerminationReason, TrialRecord, routing_array
 from legorl.trainer import model, replay
 
 
@@ -112,8 +112,7 @@ def to_trial(
         behavior_logprobs=[0.0] * n_prompt + list(s.completion_logprobs),
         turn_indices=[0],
         policy_versions=[policy_version],
-        routed_experts=None if routed is None else [int(x) for x in routed.reshape(-1)],
-        routed_experts_shape=None if routed is None else (routed.shape[0], routed.shape[1], routed.shape[2]),
+        routed_experts=None if routed is None else routing_array(routed),
     )
     now = datetime.now(UTC)
     return TrialRecord(
