@@ -12,7 +12,7 @@ import torch
 
 from legorl.api.run import TrajectoryFilter
 from legorl.api.termination import INFRA_REASONS, TerminationReason
-from legorl.api.trajectory import Segment, TrialRecord
+from legorl.api.trajectory import Segment, TrialRecord, routing_array
 from legorl.trainer.data import (
     DataError,
     TrainSequence,
@@ -41,10 +41,9 @@ def segment(
     n = len(tokens)
     if logprobs is None:
         logprobs = [-(i + 1) / 8 if m else 0.0 for i, m in enumerate(mask)]
-    experts, shape = None, None
+    experts = None
     if routed:
-        shape = (n - 1, LAYERS, TOP_K)
-        experts = [(7 * i + 3) % 64 for i in range((n - 1) * LAYERS * TOP_K)]
+        experts = routing_array(np.arange((n - 1) * LAYERS * TOP_K) * 7 % 64 + 3, (n - 1, LAYERS, TOP_K))
     return Segment(
         index=index,
         token_ids=tokens,
@@ -53,7 +52,6 @@ def segment(
         turn_indices=[index],
         policy_versions=list(versions),
         routed_experts=experts,
-        routed_experts_shape=shape,
     )
 
 
@@ -249,11 +247,9 @@ def test_sequences_carry_segments_routing_and_advantage() -> None:
     assert first.num_loss_tokens == 2
     assert first.routed_experts is not None
     assert first.routed_experts.shape == (3, LAYERS, TOP_K)
-    assert first.routed_experts.dtype == np.uint16
-    flat = two[0].routed_experts
-    assert flat is not None
-    # Row-major: row i, layer l, slot k is flat[(i·LAYERS + l)·TOP_K + k].
-    assert int(first.routed_experts[2, 1, 0]) == flat[(2 * LAYERS + 1) * TOP_K + 0]
+    # The segment's own array, as it is: no copy, no widening (ids below 256 are uint8).
+    assert first.routed_experts.dtype == np.uint8
+    assert first.routed_experts is two[0].routed_experts
     assert seqs[1].routed_experts is None
     assert seqs[1].policy_versions == ("v2", "v3")
     assert seqs[2].advantage == -0.7
@@ -398,3 +394,38 @@ def test_end_to_end_from_trials_to_micro_batches() -> None:
     assert [seqs[i].trial_id for i in mb.seq_index.tolist()] == ["a1", "a2"]
     assert mb.advantages[:, 0].tolist() == pytest.approx([adv["a1"], adv["a2"]])
     assert adv["a1"] > 0 > adv["a2"]
+
+
+def test_plan_rounds_give_every_data_parallel_rank_the_same_shapes() -> None:
+    """Every sequence exactly once; in each round every rank's micro-batch has the same rows and width (a
+    multiple of the tensor-parallel size), within the token budget; loads dealt round-robin."""
+    from legorl.trainer.data import plan_rounds  # noqa: PLC0415
+
+    lengths = [57, 3, 12, 12, 40, 9, 33, 2, 70, 18, 5, 26]
+    rounds = plan_rounds(lengths, max_tokens=64, data_parallel=3, multiple_of=2)
+    seen = sorted(i for r in rounds for m in r.members for i in m)
+    assert seen == list(range(len(lengths)))
+    for r in rounds:
+        assert r.width % 2 == 0 and r.width >= max(lengths[i] - 1 for m in r.members for i in m)
+        assert r.rows == max(len(m) for m in r.members) and len(r.members) == 3
+        assert r.rows * r.width <= 64 or r.rows == 1  # an overlong sequence rides alone
+    # Longest first: the first round holds the three longest sequences, one per rank.
+    assert [m for m in rounds[0].members] == [(8,), (0,), (4,)]
+    # One rank, no tensor split: exactly the classic packing.
+    single = plan_rounds(lengths, max_tokens=64)
+    assert all(len(r.members) == 1 for r in single)
+    assert [r.members[0] for r in single][:2] == [(8,), (0,)]
+
+
+def test_collate_pads_a_rank_short_of_sequences_with_empty_rows() -> None:
+    from legorl.trainer.data import collate  # noqa: PLC0415
+
+    seqs = [make_seq(5, seed=1), make_seq(4, seed=2, routed=False)]
+    micro = collate(seqs, [1], rows=3, width=6)
+    assert micro.shape == (3, 6)
+    assert micro.seq_index.tolist() == [1, -1, -1]
+    assert micro.lengths.tolist() == [3, 0, 0]
+    assert micro.input_ids[0, :3].tolist() == seqs[1].token_ids[:-1].tolist()
+    assert micro.targets[0, :3].tolist() == seqs[1].token_ids[1:].tolist()
+    assert float(micro.loss_mask[1:].sum()) == 0.0 and float(micro.loss_mask[0].sum()) > 0
+    assert micro.routing == [None, None, None]

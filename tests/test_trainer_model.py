@@ -404,3 +404,25 @@ def test_other_shapes_match_transformers(kind: str, tmp_path: Path) -> None:
     exported = convert.export_hf_state_dict(built, variant)
     assert sorted(exported) == sorted(on_disk)
     assert all(torch.equal(exported[n], on_disk[n]) for n in on_disk)
+
+
+def test_vocab_parallel_logprobs_match_log_softmax_values_and_gradients(net: Any) -> None:
+    """One tensor rank (the multi-rank form is checked layout by layout in test_trainer_parallel.py): the
+    trainer's log-prob of the target and entropy equal torch's, and so do their gradients."""
+    from legorl.trainer import parallel  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(3, 7, 50, generator=gen) * 5).double().requires_grad_(True)
+    targets = torch.randint(0, 50, (3, 7), generator=gen)
+    weights = torch.randn(2, 3, 7, generator=gen).double()
+    logp, ent = parallel.vocab_parallel_logprobs(logits, targets, temperature=0.7)
+    torch.autograd.backward((weights[0] * logp).sum() + (weights[1] * ent).sum())
+    reference = logits.detach().clone().requires_grad_(True)
+    log_softmax = (reference / 0.7).log_softmax(-1)
+    ref_logp = log_softmax.gather(-1, targets[..., None]).squeeze(-1)
+    ref_ent = -(log_softmax.exp() * log_softmax).sum(-1)
+    torch.autograd.backward((weights[0] * ref_logp).sum() + (weights[1] * ref_ent).sum())
+    assert logp.dtype == torch.float64
+    assert torch.allclose(logp, ref_logp, atol=1e-12) and torch.allclose(ent, ref_ent, atol=1e-12)
+    assert logits.grad is not None and reference.grad is not None
+    assert torch.allclose(logits.grad, reference.grad, atol=1e-12)

@@ -116,7 +116,7 @@ def trainer_prompt_logprobs(trainer: Any, prompt: list[int]) -> np.ndarray:
         segment_index=0,
         policy_versions=("v0",),
     )
-    scored = trainer.score(data.pack_micro_batches([seq], 4096))
+    scored = trainer.score_sequences([seq])
     result: np.ndarray = scored.train_logprobs.double().numpy()
     return result
 

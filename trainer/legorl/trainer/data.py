@@ -5,7 +5,19 @@ The order a training step follows:
     kept = filter_trials(batch.trials, ...).kept           # reasons, staleness, empty, zero variance
     adv = trial_advantages(kept, mode)                     # GRPO group baseline per trial
     seqs = sequences_from_trials(kept, adv)                # one TrainSequence per segment
-    micro = pack_micro_batches(seqs, max_tokens)           # right-padded [B, S] tensors
+    micro = pack_micro_batches(seqs, max_tokens)           # right-padded [B, S] tensors (one rank)
+    rounds = plan_rounds(lengths, max_tokens=..., data_parallel=DP, multiple_of=TP)   # every rank's
+
+Packing for several data-parallel ranks at once: each data-parallel rank trains on its own share of the
+batch, but the ranks must stay in step: with expert parallelism every MoE layer gathers tokens from all of
+them (the same number of forwards, of the same shape, on every rank), with sequence parallelism the
+sequence must split evenly over the tensor ranks. So the plan is made from every sequence's length alone —
+the same on every rank, no communication — as *rounds*: in round k each data-parallel rank runs one
+micro-batch of B_k rows × S_k positions, S_k a multiple of the tensor-parallel size. Longest sequences
+first, dealt round-robin over the ranks (so their loads stay even), each round as wide as its longest row
+and with at most `max_tokens` positions per rank (one overlong sequence gets a round of its own rather than
+failing the run). Ranks short of sequences in a round get empty rows (length 0, nothing trained), so shapes
+match without changing any result.
 
 The shift: a sequence of n tokens t_0..t_{n-1} is fed as `input_ids` = t_0..t_{n-2} and scored
 against `targets` = t_1..t_{n-1}. Position p of a micro-batch row predicts token p+1 of the
@@ -35,11 +47,14 @@ __all__ = [
     "FilterResult",
     "GroupStats",
     "MicroBatch",
+    "Round",
     "TrainSequence",
+    "collate",
     "filter_trials",
     "group_stats",
     "oldest_policy_version",
     "pack_micro_batches",
+    "plan_rounds",
     "sequences_from_trials",
     "trial_advantages",
 ]
@@ -248,7 +263,8 @@ class TrainSequence:
     advantage: float
     """The trial's advantage, shared by all of its tokens."""
     routed_experts: np.ndarray | None
-    """Uint16 (n−1, layers, top_k) in the engine's layout: row i routed token i; None without capture."""
+    """Uint8 or uint16 (n−1, layers, top_k) in the engine's layout: row i routed token i; None without
+    capture. The trajectory's own array (see legorl.api.trajectory): read-only when it came from the store."""
     trial_id: str
     group_id: str
     segment_index: int
@@ -289,16 +305,15 @@ def sequences_from_trials(
                 continue
             if seg.loss_mask[0]:
                 raise DataError(f"{where}: token 0 is marked as sampled, but nothing precedes it")
-            routing = None
-            if seg.routed_experts is not None and seg.routed_experts_shape is not None:
-                routing = np.asarray(seg.routed_experts, dtype=np.uint16).reshape(seg.routed_experts_shape)
             seqs.append(
                 TrainSequence(
                     token_ids=torch.tensor(seg.token_ids, dtype=torch.long),
                     loss_mask=torch.tensor(seg.loss_mask, dtype=torch.bool),
                     behavior_logprobs=torch.tensor(seg.behavior_logprobs, dtype=torch.float32),
                     advantage=advantage,
-                    routed_experts=routing,
+                    # The record's array as it is (uint8 or uint16, read-only when read from the
+                    # store): engine_to_megatron only reads it, so no copy, no widening.
+                    routed_experts=seg.routed_experts,
                     trial_id=trial.trial,
                     group_id=trial.group_id,
                     segment_index=seg.index,
@@ -332,7 +347,7 @@ class MicroBatch:
     advantages: torch.Tensor
     """Float32 [B, S]: the row's advantage at every real position, 0 on padding."""
     seq_index: torch.Tensor
-    """Long [B]: index of each row in the list given to `pack_micro_batches`."""
+    """Long [B]: index of each row in the sequences packed (-1 on an empty row)."""
     routing: list[np.ndarray | None]
     """Per row, its sequence's routed experts (n−1, layers, top_k) unchanged (row i ↔ input position i)."""
     num_loss_tokens: int
@@ -349,7 +364,8 @@ class MicroBatch:
 
 
 def pack_micro_batches(seqs: Sequence[TrainSequence], max_tokens: int) -> list[MicroBatch]:
-    """Pack sequences into micro-batches of B·S ≤ `max_tokens` positions, with S the longest row.
+    """Pack sequences into micro-batches of B·S ≤ `max_tokens` positions, with S the longest row: the
+    one-rank plan (`plan_rounds` with one data-parallel rank), collated.
 
     Longest first (ties keep their input order), each micro-batch takes sequences while the
     padded size stays within budget — deterministic, and little padding since rows of a batch
@@ -357,44 +373,82 @@ def pack_micro_batches(seqs: Sequence[TrainSequence], max_tokens: int) -> list[M
     of its own (B = 1) rather than failing a run over one long trajectory; the model's context
     length already bounds it, and `MicroBatch.num_tokens` shows the overshoot.
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     for i, seq in enumerate(seqs):
         if seq.length < 2:
             raise DataError(f"sequence {i} ({seq.trial_id}) has {seq.length} token(s); it needs 2 to train")
-    order = sorted(range(len(seqs)), key=lambda i: (-seqs[i].length, i))
-    batches: list[list[int]] = []
-    for i in order:
-        width = seqs[i].length - 1
-        if batches:
-            current = batches[-1]
-            longest = seqs[current[0]].length - 1
-            if (len(current) + 1) * max(longest, width) <= max_tokens:
-                current.append(i)
-                continue
-        batches.append([i])
-    return [_collate(seqs, rows) for rows in batches]
+    rounds = plan_rounds([q.length for q in seqs], max_tokens=max_tokens)
+    return [collate(seqs, r.members[0], rows=r.rows, width=r.width) for r in rounds]
 
 
-def _collate(seqs: Sequence[TrainSequence], rows: list[int]) -> MicroBatch:
-    width = max(seqs[i].length for i in rows) - 1
-    batch = len(rows)
-    input_ids = torch.zeros(batch, width, dtype=torch.long)
-    targets = torch.zeros(batch, width, dtype=torch.long)
-    loss_mask = torch.zeros(batch, width, dtype=torch.float32)
-    behavior = torch.zeros(batch, width, dtype=torch.float32)
-    advantages = torch.zeros(batch, width, dtype=torch.float32)
-    lengths = torch.zeros(batch, dtype=torch.long)
-    for row, i in enumerate(rows):
+@dataclass(frozen=True)
+class Round:
+    """One micro-batch per data-parallel rank, all of shape [rows, width]."""
+
+    width: int
+    """S: input positions of every row (tokens[:-1], padded up to a multiple of the tensor-parallel size)."""
+    rows: int
+    """B: rows of every rank's micro-batch."""
+    members: tuple[tuple[int, ...], ...]
+    """members[d]: indices (into the planned sequences) of data-parallel rank d's rows; the rest pads."""
+
+
+def plan_rounds(
+    lengths: Sequence[int], *, max_tokens: int, data_parallel: int = 1, multiple_of: int = 1
+) -> list[Round]:
+    """Rounds covering every sequence once (`lengths[i]`: tokens of sequence i, each ≥ 2)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    if data_parallel < 1 or multiple_of < 1:
+        raise ValueError(f"data_parallel ({data_parallel}) and multiple_of ({multiple_of}) must be ≥ 1")
+    for i, n in enumerate(lengths):
+        if n < 2:
+            raise DataError(f"sequence {i} has {n} token(s); it needs 2 to train")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rounds: list[Round] = []
+    start = 0
+    while start < len(order):
+        width = _round_up(lengths[order[start]] - 1, multiple_of)
+        per_rank = max(1, max_tokens // width)
+        take = order[start : start + per_rank * data_parallel]
+        members = tuple(tuple(take[d::data_parallel]) for d in range(data_parallel))
+        rounds.append(Round(width=width, rows=max(len(m) for m in members), members=members))
+        start += len(take)
+    return rounds
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def collate(seqs: Sequence[TrainSequence], members: Sequence[int], *, rows: int, width: int) -> MicroBatch:
+    """A right-padded micro-batch [rows, width] of `seqs[i]` for i in `members` (then empty rows).
+
+    Position p of a row predicts the row's token p+1; padding (beyond a row's length, and whole empty rows)
+    has input and target 0 and mask, behaviour log-prob and advantage 0. `seq_index` is -1 on empty rows.
+    """
+    if len(members) > rows:
+        raise ValueError(f"{len(members)} sequences do not fit {rows} rows")
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    targets = torch.zeros(rows, width, dtype=torch.long)
+    loss_mask = torch.zeros(rows, width, dtype=torch.float32)
+    behavior = torch.zeros(rows, width, dtype=torch.float32)
+    advantages = torch.zeros(rows, width, dtype=torch.float32)
+    lengths = torch.zeros(rows, dtype=torch.long)
+    seq_index = torch.full((rows,), -1, dtype=torch.long)
+    routing: list[np.ndarray | None] = [None] * rows
+    for row, i in enumerate(members):
         seq = seqs[i]
         n = seq.length - 1
+        if n > width:
+            raise ValueError(f"sequence {i} needs {n} positions, the micro-batch has {width}")
         lengths[row] = n
         input_ids[row, :n] = seq.token_ids[:-1]
         targets[row, :n] = seq.token_ids[1:]
-        mask = seq.loss_mask[1:].to(torch.float32)
-        loss_mask[row, :n] = mask
+        loss_mask[row, :n] = seq.loss_mask[1:].to(torch.float32)
         behavior[row, :n] = seq.behavior_logprobs[1:]
         advantages[row, :n] = seq.advantage
+        seq_index[row] = i
+        routing[row] = seq.routed_experts
     return MicroBatch(
         input_ids=input_ids,
         targets=targets,
@@ -402,7 +456,7 @@ def _collate(seqs: Sequence[TrainSequence], rows: list[int]) -> MicroBatch:
         loss_mask=loss_mask,
         behavior_logprobs=behavior,
         advantages=advantages,
-        seq_index=torch.tensor(rows, dtype=torch.long),
-        routing=[seqs[i].routed_experts for i in rows],
+        seq_index=seq_index,
+        routing=routing,
         num_loss_tokens=int(loss_mask.sum()),
     )

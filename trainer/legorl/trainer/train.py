@@ -2,8 +2,8 @@
 
 `PolicyTrainer` owns this rank's share of the Megatron model, its optimizer and the routing replayer.
 `train_step()` filters the trials (termination reason, staleness, zero-variance groups), computes group
-advantages, plans micro-batches for every data-parallel rank at once (`plan.py`), recomputes the sampled
-tokens' log-probabilities with the rollout's expert routing replayed — through the pipeline stages
+advantages, plans micro-batches for every data-parallel rank at once (`data.plan_rounds`), recomputes the
+sampled tokens' log-probabilities with the rollout's expert routing replayed — through the pipeline stages
 (`pipeline.py`), with the vocabulary split over the tensor ranks (`parallel.vocab_parallel_logprobs`) — and
 takes one optimizer step on the clipped, importance-corrected policy loss. It measures rollout/training
 fidelity on the same forward pass it trains on, so the figure describes exactly the probabilities the
@@ -35,7 +35,7 @@ import torch
 
 from legorl.api.store import policy_version
 from legorl.api.trajectory import TrialRecord
-from legorl.trainer import compat, convert, data, loss, model, parallel, pipeline, plan, replay
+from legorl.trainer import compat, convert, data, loss, model, parallel, pipeline, replay
 from legorl.trainer.settings import SettingsError, TrainerSettings
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class PolicyTrainer:
             ]
         out = []
         for share in shares:
-            rounds = plan.plan_rounds(
+            rounds = data.plan_rounds(
                 [sequences[i].length for i in share],
                 max_tokens=self.settings.max_tokens_per_micro_batch,
                 data_parallel=data_size,
@@ -225,7 +225,7 @@ class PolicyTrainer:
             )
             for r in rounds:
                 members = [share[j] for j in r.members[data_rank]]
-                batch = plan.collate(sequences, members, rows=r.rows, width=r.width)
+                batch = data.collate(sequences, members, rows=r.rows, width=r.width)
                 out.append(self._prepare(batch, on_policy))
         return out
 
@@ -342,10 +342,13 @@ class PolicyTrainer:
         shared: ScoredBatch = parallel.broadcast(scored)
         return shared
 
-    def score_trials(self, trials: Sequence[TrialRecord]) -> ScoredBatch:
-        """`score()` of every segment of `trials`, planned as a training step would plan them."""
-        sequences = data.sequences_from_trials(trials, {t.trial: 0.0 for t in trials})
+    def score_sequences(self, sequences: Sequence[data.TrainSequence]) -> ScoredBatch:
+        """`score()` of `sequences`, planned as a training step would plan them."""
         return self.score(self._micro_batches(sequences), sequences)
+
+    def score_trials(self, trials: Sequence[TrialRecord]) -> ScoredBatch:
+        """`score()` of every segment of `trials`."""
+        return self.score_sequences(data.sequences_from_trials(trials, {t.trial: 0.0 for t in trials}))
 
     def _token_records(
         self,
