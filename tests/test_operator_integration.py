@@ -330,11 +330,12 @@ def test_fleet_becomes_ready_scales_and_explains_itself(env_factory: Any) -> Non
     assert fleet["kind"] == "RolloutFleet"
     env.mock.create(fleet)
     owner = "rolloutfleet.coder-fleet"
-    children = env.wait_children(owner, 5)
+    children = env.wait_children(owner, 6)
     assert set(children) == {
         ("ServiceAccount", "coder-fleet-engine"),
         ("Deployment", "coder-fleet-engine"),
         ("Service", "coder-fleet-engine"),
+        ("Service", "coder-fleet-engine-replicas"),
         ("PodDisruptionBudget", "coder-fleet-engine"),
         ("NetworkPolicy", "coder-fleet-engine"),
     }
@@ -661,8 +662,9 @@ def test_multi_node_fleet_uses_leader_worker_sets_when_installed(env_factory: An
     )
     without: Env = env_factory()
     without.mock.create(fleet)
-    # ServiceAccount, two Services (one headless), two StatefulSet groups, PDB, NetworkPolicy.
-    groups = without.wait_children("rolloutfleet.big-fleet", 7)
+    # ServiceAccount, three Services (the serving one, the replicas' and the groups' headless ones), two
+    # StatefulSet groups, PDB, NetworkPolicy.
+    groups = without.wait_children("rolloutfleet.big-fleet", 8)
     assert sorted(name for kind, name in groups if kind == "StatefulSet") == [
         "big-fleet-engine-0",
         "big-fleet-engine-1",
@@ -688,11 +690,11 @@ def test_restart_mid_reconcile_creates_no_duplicates(env_factory: Any) -> None:
     mock.clear_errors()
     before = {k: v["metadata"]["uid"] for k, v in first.children("rolloutfleet.coder-fleet").items()}
     second: Env = env_factory(mock=mock)
-    kids = second.wait_children("rolloutfleet.coder-fleet", 5)
+    kids = second.wait_children("rolloutfleet.coder-fleet", 6)
     # Exactly one of each child; what existed was kept (same uid), the missing Service was added.
     for key, uid in before.items():
         assert kids[key]["metadata"]["uid"] == uid, key
-    assert ("Service", "coder-fleet-engine") in kids
+    assert ("Service", "coder-fleet-engine") in kids and ("Service", "coder-fleet-engine-replicas") in kids
     assert len(mock.objects("apps/v1", "deployments", NS)) == 1
     second.wait_condition("rolloutfleets", "coder-fleet", "Ready", "False", "ReplicasNotReady")
 

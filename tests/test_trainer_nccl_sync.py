@@ -36,7 +36,7 @@ WORKER = REPO / "tests" / "trainer_ranks.py"
 class Replica:
     """One engine replica's dev-mode control routes, recorded."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, address: tuple[str, int] = ("127.0.0.1", 0)) -> None:
         self.calls: list[str] = []
         self.version = "default"
         self.workers = workers
@@ -71,10 +71,13 @@ class Replica:
                 replica.calls.append(f"POST {path}")
                 if path == "/update_weight_version":
                     replica.version = body["new_version"]
+                elif path == "/finish_weight_update" and body.get("weight_version"):
+                    replica.version = body["weight_version"]
                 self._answer({"success": True})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer(address, Handler)
+        self.port = int(self.server.server_address[1])
+        self.url = f"http://{address[0]}:{self.port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
@@ -148,3 +151,35 @@ def test_nccl_sync_sends_the_gathered_weights_to_every_replica(
     figures = json.loads((store / "metrics" / "trainer" / "step-000002.json").read_text())
     total = sum(t.numel() * t.element_size() for t in sent.values())
     assert figures["sync_bytes"] == total and figures["sync_seconds"] > 0
+
+
+def test_a_dns_name_reaches_every_replica_behind_it(tmp_path: Path) -> None:
+    """`dns+http://name:port` (the operator's headless Service of the serving pods) is every address the name
+    has, looked up at every sync: two replicas on 127.0.0.1 and 127.0.0.2, the same port, both synced."""
+    from legorl.trainer.weight_sync import FleetWeightSync, publish_weights  # noqa: PLC0415
+
+    first = Replica(workers=1)
+    second = Replica(workers=1, address=("127.0.0.2", first.port))
+    names = {"engines.rl.svc": ["127.0.0.2", "127.0.0.1"]}
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    weights = {"w": torch.ones(3)}
+    published = publish_weights(weights, tmp_path / "v1", version="v1", source_dir=source, strict=False)
+    try:
+        fleet = FleetWeightSync(
+            [f"dns+http://engines.rl.svc:{first.port}"], resolve=lambda host, _port: names[host], retry_delay=0.0
+        )
+        with fleet:
+            fleet.sync(published)
+            assert fleet.base_urls == [f"http://127.0.0.1:{first.port}", f"http://127.0.0.2:{first.port}"]
+            assert fleet.served_versions() == ["v1", "v1"]
+            names["engines.rl.svc"] = []  # no replica ready: said so, not a silent no-op
+            with pytest.raises(Exception, match="no address behind engines.rl.svc"):
+                fleet.served_versions()
+        for replica in (first, second):
+            assert "POST /update_weights" in replica.calls and replica.version == "v1"
+    finally:
+        for replica in (first, second):
+            replica.server.shutdown()
+            replica.server.server_close()

@@ -190,6 +190,8 @@ class NcclWeightSync:
         client: Any = _NoClient()
         world = 1
         if self._fleet is not None:
+            # The transfer group is fixed from here: a replica that restarts needs a new group.
+            self._fleet.refresh()
             sizes = []
             for url in self._fleet.base_urls:
                 body = self._fleet._request("GET", url, "/get_world_size", params={"include_dp": "true"})

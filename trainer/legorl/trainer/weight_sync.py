@@ -34,7 +34,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -845,26 +845,35 @@ class FleetWeightSync:
         update_attempts: int = 3,
         retry_delay: float = 1.0,
         verify_sha256: bool = True,
+        resolve: Callable[[str, int], list[str]] | None = None,
     ) -> None:
-        """`base_urls`: one `http://host:port` per replica. `timeout`: per HTTP call, seconds.
+        """`base_urls`: one `http://host:port` per replica, or `dns+http://name:port` for every address a
+        name resolves to (the operator's headless Service of a fleet's serving pods: one address per
+        replica, looked up again at every sync). `timeout`: per HTTP call, seconds.
 
         `verify_sha256`: the engines hash the files they load against the manifest (one extra read).
+        `resolve(host, port)`: the addresses of a `dns+` name (default: the system resolver).
         """
         import httpx  # noqa: PLC0415 -- only the trainer side needs it, not vLLM's workers
 
         if isinstance(base_urls, str) or not base_urls:
             raise WeightSyncError("base_urls must be a non-empty list of engine URLs (one per replica)")
         urls = [str(url).rstrip("/") for url in base_urls]
-        bad = [url for url in urls if not url.startswith(("http://", "https://"))]
+        bad = [
+            url for url in urls if not url.startswith(("http://", "https://", "dns+http://", "dns+https://"))
+        ]
         if bad:
-            raise WeightSyncError(f"engine URLs must start with http:// or https://, got {bad}")
+            raise WeightSyncError(f"engine URLs must start with http://, https:// or dns+http://, got {bad}")
         if len(set(urls)) != len(urls):
             raise WeightSyncError(f"engine URLs repeat: {urls}")
+        self._given = urls
+        self._resolve = resolve or _resolve_addresses
+        self.base_urls = urls if not any(u.startswith("dns+") for u in urls) else []
+        """The replicas' URLs as of the last `refresh()`."""
         if pause_mode not in ("keep", "wait", "abort"):
             raise WeightSyncError(f"pause_mode must be keep, wait or abort, got {pause_mode!r}")
         if update_attempts < 1:
             raise WeightSyncError(f"update_attempts must be at least 1, got {update_attempts}")
-        self.base_urls = urls
         self.pause_mode: PauseMode = pause_mode
         self.timeout = timeout
         self.update_attempts = update_attempts
@@ -885,8 +894,26 @@ class FleetWeightSync:
 
     # -- public ------------------------------------------------------------------------------------------
 
+    def refresh(self) -> list[str]:
+        """Look the replicas up again (`dns+` names: every address now; plain URLs as given)."""
+        urls: list[str] = []
+        for url in self._given:
+            if not url.startswith("dns+"):
+                urls.append(url)
+                continue
+            parsed = httpx_url(url.removeprefix("dns+"))
+            addresses = self._resolve(parsed.host, parsed.port)
+            if not addresses:
+                raise WeightSyncError(f"{url}: no address behind {parsed.host} (no replica is ready)")
+            for address in sorted(set(addresses)):
+                host = f"[{address}]" if ":" in address else address
+                urls.append(f"{parsed.scheme}://{host}:{parsed.port}")
+        self.base_urls = urls
+        return urls
+
     def sync(self, published: PublishedWeights) -> SyncReport:
         """Load `published` into every replica; returns per-replica timings once all serve its version."""
+        self.refresh()
         # Cheap pre-flight (no hashing: the engines hash what they read): a stale or half-written
         # directory is refused before any engine pauses.
         on_disk = read_published(published.path, verify_sha256=False)
@@ -927,8 +954,8 @@ class FleetWeightSync:
         return SyncReport(version=published.version, replicas=replicas, seconds=time.perf_counter() - started)
 
     def served_versions(self) -> list[str]:
-        """`GET /weight_info` of every replica, in `base_urls` order."""
-        return [self._weight_version(url) for url in self.base_urls]
+        """`GET /weight_info` of every replica (looked up again), in `base_urls` order."""
+        return [self._weight_version(url) for url in self.refresh()]
 
     # -- one replica -------------------------------------------------------------------------------------
 
@@ -1046,6 +1073,33 @@ class FleetWeightSync:
             return response.json()
         except ValueError:
             return response.text
+
+
+@dataclass(frozen=True)
+class _Url:
+    scheme: str
+    host: str
+    port: int
+
+
+def httpx_url(url: str) -> _Url:
+    """scheme, host and port (the scheme's default when absent) of an http(s) URL."""
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise WeightSyncError(f"{url!r} is not an http(s) URL with a host")
+    return _Url(parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+
+
+def _resolve_addresses(host: str, port: int) -> list[str]:
+    import socket  # noqa: PLC0415
+
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise WeightSyncError(f"cannot resolve the fleet's replicas {host}: {exc}") from exc
+    return [str(info[4][0]) for info in found]
 
 
 def _error_text(response: httpx.Response) -> str:

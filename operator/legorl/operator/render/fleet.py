@@ -342,6 +342,22 @@ def _service(fleet: RolloutFleet, multi_node: bool, lws: bool) -> dict[str, Any]
     }
 
 
+def replicas_name(fleet_name: str) -> str:
+    """Headless Service whose addresses are the fleet's serving pods, one per replica (weight sync)."""
+    return f"{engine_name(fleet_name)}-replicas"
+
+
+def _replicas_service(fleet: RolloutFleet, multi_node: bool, lws: bool) -> dict[str, Any]:
+    """Every ready replica's serving pod as one address of a DNS name: the trainer looks it up at each weight
+    sync and loads the new weights into every replica (the ClusterIP Service would reach only one)."""
+    service = _service(fleet, multi_node, lws)
+    service["metadata"] = metadata(fleet, replicas_name(fleet.metadata.name), COMPONENT, APP)
+    spec = service["spec"]
+    spec.pop("sessionAffinity")
+    spec.update(type="ClusterIP", clusterIP="None", publishNotReadyAddresses=False)
+    return service
+
+
 def _headless_service(fleet: RolloutFleet) -> dict[str, Any]:
     name = f"{engine_name(fleet.metadata.name)}-hl"
     return headless_service(fleet, name, COMPONENT, APP, ("ray", RAY_PORT))
@@ -419,7 +435,12 @@ def render_fleet(fleet: RolloutFleet, ctx: RenderContext) -> list[dict[str, Any]
     else:
         objects.append(_headless_service(fleet))
         objects += _stateful_groups(fleet)
-    objects += [_service(fleet, multi_node, ctx.lws_available), _pdb(fleet), _network_policy(fleet)]
+    objects += [
+        _service(fleet, multi_node, ctx.lws_available),
+        _replicas_service(fleet, multi_node, ctx.lws_available),
+        _pdb(fleet),
+        _network_policy(fleet),
+    ]
     return [with_hash(obj) for obj in objects]
 
 

@@ -29,7 +29,7 @@ from legorl.operator.render.common import (
     with_hash,
 )
 from legorl.operator.render.fleet import COMPONENT as ENGINE
-from legorl.operator.render.fleet import MODELS_DIR, engine_name
+from legorl.operator.render.fleet import MODELS_DIR, engine_name, replicas_name
 from legorl.operator.render.pool import PROXY_PORT
 
 APP = "legorl-trainer"
@@ -173,7 +173,8 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int, nccl: bool) ->
         {"name": "LEGORL_RUN", "value": run.metadata.name},
         {"name": "LEGORL_NAMESPACE", "value": run.metadata.namespace or "default"},
         {"name": "LEGORL_STORE_URI", "value": store.uri_in_pod},
-        {"name": "LEGORL_FLEET_URL", "value": fleet_url(run, fleet_port)},
+        # Every replica, looked up at each sync (a dns+ name: all addresses of the serving pods' Service).
+        {"name": "LEGORL_FLEET_URL", "value": replicas_url(run, fleet_port)},
         # torchrun's rendezvous: index 0 is the master; the headless Service gives it a DNS name.
         {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
         {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
@@ -368,6 +369,13 @@ def render_run(
         ]
     objects.append(_trial_egress(run, fleet_port, ctx))
     return [with_hash(obj) for obj in objects]
+
+
+def replicas_url(run: RLRun, fleet_port: int) -> str:
+    """`dns+http://` URL of the run's fleet's replicas (one address per ready replica), for weight sync."""
+    return (
+        f"dns+http://{replicas_name(fleet_name(run))}.{run.metadata.namespace or 'default'}.svc:{fleet_port}"
+    )
 
 
 def fleet_url(run: RLRun, fleet_port: int) -> str:
