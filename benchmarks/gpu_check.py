@@ -13,8 +13,13 @@ What it checks and prints (JSON lines, and a summary table at the end):
 4. Train-step throughput in bf16 with the alltoall dispatcher: tokens/s with and without replay, with and
    without full recomputation (ratios in the same run).
 5. Export: Megatron → Hugging Face safetensors → transformers gives the same logits.
-Transformer Engine is not used: it is not installed on the check machine and cannot be fetched there; the
-local layer spec runs the same model (see docs/trainer.md for the TE settings on a production image).
+6. The trainer's vocab-parallel log-probs and entropy on the device (bf16 logits of a 151,936 vocabulary)
+   against torch's log_softmax: values and gradients. Steps 3–4 already run the multi-rank trainer's code
+   path (plan, pipeline schedule, gradient reductions) at one rank on the GPU.
+Not here (one GPU): tensor, expert and pipeline parallelism over NCCL, and NCCL weight sync into vLLM (no
+CUDA vLLM fits the check machine). Transformer Engine is not used: it is not installed on the check
+machine and cannot be fetched there; the local layer spec runs the same model (see docs/trainer.md for the
+TE settings on a production image).
 """
 
 from __future__ import annotations
@@ -354,6 +359,33 @@ def check_export(model_dir: Path, device: torch.device, out: Path) -> None:
     report("export_roundtrip", max_abs_dlogit=float((mine - theirs).abs().max()))
 
 
+def check_vocab_parallel(device: torch.device) -> None:
+    """The trainer's log-prob and entropy (legorl.trainer.parallel; one tensor rank here) against torch's on
+    the device, bf16 logits of a 151,936-token vocabulary, values and gradients."""
+    from legorl.trainer import parallel  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(4, 256, 151_936, generator=gen) * 4).to(device, torch.bfloat16).requires_grad_(True)
+    targets = torch.randint(0, 151_936, (4, 256), generator=gen).to(device)
+    logp, ent = parallel.vocab_parallel_logprobs(logits, targets, temperature=0.7)
+    torch.autograd.backward(logp.sum() + 0.1 * ent.sum())
+    mine = logits.grad
+    assert mine is not None
+    reference = logits.detach().clone().requires_grad_(True)
+    scaled = reference.float() / 0.7
+    log_softmax = scaled.log_softmax(-1)
+    ref_logp = log_softmax.gather(-1, targets[..., None]).squeeze(-1)
+    ref_ent = -(log_softmax.exp() * log_softmax).sum(-1)
+    torch.autograd.backward(ref_logp.sum() + 0.1 * ref_ent.sum())
+    assert reference.grad is not None
+    report(
+        "vocab_parallel_logprobs",
+        max_abs_dlogp=float((logp - ref_logp).abs().max()),
+        max_abs_dentropy=float((ent - ref_ent).abs().max()),
+        max_abs_dgrad=float((mine.float() - reference.grad.float()).abs().max()),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -386,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             ("replay", lambda: check_replay(big, SIZES[args.size], device)),
             ("fidelity+throughput", lambda: check_fidelity_and_throughput(big, SIZES[args.size], device)),
             ("export", lambda: check_export(big, device, root / "export")),
+            ("vocab-parallel log-probs", lambda: check_vocab_parallel(device)),
         ]
         if args.size == "tiny":
             steps.pop(1)

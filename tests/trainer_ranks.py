@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> None:
         recompute=args.recompute,
         learning_rate=1e-3,
         # Several micro-batches per rank, so the pipeline runs its warm-up, steady and drain phases.
-        max_tokens_per_micro_batch=40,
+        max_tokens_per_micro_batch=args.micro_tokens,
         mini_batches=args.mini_batches,
         kl_coef=args.kl_coef,
         entropy_coef=args.entropy_coef,
@@ -268,6 +268,7 @@ def main(argv: list[str]) -> int:
     r.add_argument("--entropy-coef", type=float, default=0.0)
     r.add_argument("--no-replay", action="store_true")
     r.add_argument("--dtype", default="float64")
+    r.add_argument("--micro-tokens", type=int, default=40)
     r.add_argument("--fleet", action="append", help="engine URL: sync over (recorded) NCCL")
     args = p.parse_args(argv)
     if args.command == "make":
