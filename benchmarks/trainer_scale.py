@@ -12,7 +12,7 @@ run in rotating order for `--rounds` rounds. Each run times, after one warm-up s
   HF safetensors (`publish_weights`, local disk) → seconds and bytes per second.
 
 What the figures are: overheads of a layout on a 2-core machine, where a layout of 2 or 4 processes shares
-the same two cores as one rank does. They say what the parallel machinery costs here (collectives through
+the same two cores as one rank does (one rank runs 2 threads, 2 ranks 1 thread each; 4 ranks oversubscribe). They say what the parallel machinery costs here (collectives through
 gloo, pipeline bubbles, padding to equal shapes), not what a GPU cluster gains. Results:
 `benchmarks/results/trainer_scale.json`.
 """
@@ -174,7 +174,10 @@ def run_layout(
         str(Path(__file__).resolve()), "worker", "--model", str(model), "--store", str(store),
         "--out", str(out), "--steps", str(steps), "--micro-tokens", str(micro_tokens), *extra,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # Every layout gets the whole machine: one rank runs as many threads as there are cores, N ranks share
+    # them (torchrun would give every rank one thread, starving the one-rank baseline).
+    threads = max(1, (os.cpu_count() or 1) // ranks)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, cwd=REPO)  # noqa: S603 - our interpreter, fixed argv
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
