@@ -12,8 +12,9 @@ run in rotating order for `--rounds` rounds. Each run times, after one warm-up s
   HF safetensors (`publish_weights`, local disk) → seconds and bytes per second.
 
 What the figures are: overheads of a layout on a 2-core machine, where a layout of 2 or 4 processes shares
-the same two cores as one rank does (one rank runs 2 threads, 2 ranks 1 thread each; 4 ranks oversubscribe). They say what the parallel machinery costs here (collectives through
-gloo, pipeline bubbles, padding to equal shapes), not what a GPU cluster gains. Results:
+the same two cores as one rank does (one rank runs 2 threads, 2 ranks 1 thread each; 4 ranks
+oversubscribe). They say what the parallel machinery costs here (collectives through gloo, pipeline
+bubbles, padding to equal shapes), not what a GPU cluster gains. Results:
 `benchmarks/results/trainer_scale.json`.
 """
 
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=384)
     p.add_argument("--micro-tokens", type=int, default=2048)
     p.add_argument("--quick", action="store_true", help="one round, two steps, a small batch")
+    p.add_argument("--layouts", help=f"comma-separated subset of: {', '.join(LAYOUTS)} (default: all)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.command == "worker":
@@ -218,8 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         model, store = root / "model", root / "store"
         make(model, store, trials=args.trials, tokens=args.tokens)
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in LAYOUTS}
-        names = list(LAYOUTS)
+        names = [n.strip() for n in args.layouts.split(",")] if args.layouts else list(LAYOUTS)
+        unknown = [n for n in names if n not in LAYOUTS]
+        if unknown or "one rank" not in names:
+            p.error(f"--layouts must name known layouts, 'one rank' among them (the baseline): {unknown}")
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for round_index in range(args.rounds):
             order = names[round_index % len(names) :] + names[: round_index % len(names)]
             for name in order:

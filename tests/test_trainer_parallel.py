@@ -167,7 +167,11 @@ def test_replay_off_is_caught(launch: Runner) -> None:
 
 @pytest.mark.parametrize(
     ("saved", "resumed"),
-    [((4, ("--tp", "2", "--ep", "2")), (4, ())), ((4, ()), (4, ("--tp", "2", "--ep", "2")))],
+    [
+        # The first is the TP2 × EP2 × DP2 run of the layout test (the same arguments: one run, reused).
+        ((4, ("--tp", "2", "--ep", "2", "--recompute", "selective")), (4, ())),
+        ((4, ()), (4, ("--tp", "2", "--ep", "2"))),
+    ],
     ids=["TP2xEP2 to DP4", "DP4 to TP2xEP2"],
 )
 def test_a_checkpoint_resumes_at_another_layout(
