@@ -156,7 +156,7 @@ def test_nccl_sync_sends_the_gathered_weights_to_every_replica(
 def test_a_dns_name_reaches_every_replica_behind_it(tmp_path: Path) -> None:
     """`dns+http://name:port` (the operator's headless Service of the serving pods) is every address the name
     has, looked up at every sync: two replicas on 127.0.0.1 and 127.0.0.2, the same port, both synced."""
-    from legorl.trainer.weight_sync import FleetWeightSync, publish_weights  # noqa: PLC0415
+    from legorl.trainer.weight_sync import FleetWeightSync, WeightSyncError, publish_weights  # noqa: PLC0415
 
     first = Replica(workers=1)
     second = Replica(workers=1, address=("127.0.0.2", first.port))
@@ -168,14 +168,16 @@ def test_a_dns_name_reaches_every_replica_behind_it(tmp_path: Path) -> None:
     published = publish_weights(weights, tmp_path / "v1", version="v1", source_dir=source, strict=False)
     try:
         fleet = FleetWeightSync(
-            [f"dns+http://engines.rl.svc:{first.port}"], resolve=lambda host, _port: names[host], retry_delay=0.0
+            [f"dns+http://engines.rl.svc:{first.port}"],
+            resolve=lambda host, _port: names[host],
+            retry_delay=0.0,
         )
         with fleet:
             fleet.sync(published)
             assert fleet.base_urls == [f"http://127.0.0.1:{first.port}", f"http://127.0.0.2:{first.port}"]
             assert fleet.served_versions() == ["v1", "v1"]
             names["engines.rl.svc"] = []  # no replica ready: said so, not a silent no-op
-            with pytest.raises(Exception, match="no address behind engines.rl.svc"):
+            with pytest.raises(WeightSyncError, match=r"no address behind engines\.rl\.svc"):
                 fleet.served_versions()
         for replica in (first, second):
             assert "POST /update_weights" in replica.calls and replica.version == "v1"
