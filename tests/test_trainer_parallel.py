@@ -190,3 +190,17 @@ def test_a_checkpoint_resumes_at_another_layout(
             assert torch.equal(second["loaded_state"][key][field], tensor), (key, field)
     assert _max_delta(_published(two["store"], "v2"), _published(second["store"], "v2")) <= 1e-6
     assert not _figures_equal(two["figures"][2], second["figures"][2])
+
+
+def test_entropy_kl_and_mini_batches_at_tp2_pp2(launch: Runner) -> None:
+    """The loss terms the plain layouts leave out: the entropy bonus (its vocab-parallel gradient), the k3 KL
+    to a frozen reference (its own forward-only pass through the pipeline) and two mini-batches (the second
+    against log-probs taken before the first update), at TP2 × PP2 on four ranks against one rank."""
+    flags = ("--entropy-coef", "0.01", "--kl-coef", "0.05", "--mini-batches", "2")
+    one = launch(1, *flags)
+    got = launch(4, "--tp", "2", "--pp", "2", *flags)
+    assert _max_delta(one["logits"], got["logits"]) <= 1e-5
+    assert _max_delta(one["grads"], got["grads"]) <= 1e-5
+    assert _max_delta(_published(one["store"], "v1"), _published(got["store"], "v1")) <= 1e-6
+    assert not _figures_equal(one["figures"][1], got["figures"][1])
+    assert one["figures"][1]["mini_batches"] == 2 and one["figures"][1]["kl_ref"] > 0
