@@ -163,7 +163,8 @@ def worker(args: argparse.Namespace) -> None:
             "weight_bytes": published.bytes,
         }
         Path(args.out).write_text(json.dumps(result))
-    del parallel, torch
+    parallel.shutdown()
+    del torch
 
 
 def run_layout(

@@ -640,11 +640,23 @@ def test_delete_cleans_up_through_owner_references(env_factory: Any) -> None:
     run["spec"]["policy"]["checkpoint"]["uri"] = "hf://Qwen/Qwen3-0.6B"
     env.mock.create(run)
     env.handle.wait_for(lambda: env.get("deployments", "tiny-local-fleet-engine", "apps/v1"), timeout=TIMEOUT)
+    # The run's trial egress policy is the last child it applies: the delete comes once it exists, so it does
+    # not race the run's first reconcile.
+    env.handle.wait_for(
+        lambda: ("NetworkPolicy", "tiny-local-trials") in env.children("rlrun.tiny-local"), timeout=TIMEOUT
+    )
     env.mock.delete(GV, "rlruns", NS, "tiny-local")
     # kopf's finalizer (the run-controller daemon's) is released promptly, so the run goes.
     env.handle.wait_for(lambda: env.mock.get(GV, "rlruns", NS, "tiny-local") is None, timeout=TIMEOUT)
-    # The mock has no garbage collector: play its part once, as the real one would.
-    removed = env.mock.collect_garbage()
+    # The mock has no garbage collector: play its part, as the real one would — continuously, so an orphan a
+    # reconcile still in flight creates after the owner went is collected too.
+    removed: list[tuple[str, str, str | None, str]] = []
+
+    def collected() -> bool:
+        removed.extend(env.mock.collect_garbage())
+        return all(not env.mock.objects(api_version, plural, NS) for api_version, plural in KINDS_TO_SCAN)
+
+    env.handle.wait_for(collected, timeout=TIMEOUT)
     kinds = {plural for _, plural, _, _ in removed}
     assert {"rolloutfleets", "sandboxpools", "jobs", "deployments", "services"} <= kinds
     for api_version, plural in KINDS_TO_SCAN:

@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> None:
         out["figures"] = {int(m["step"]): m for m in store.read_metrics()}
         out["token_logprobs"] = token_logprobs
         torch.save(out, args.out)
-    dist.barrier()
+    parallel.shutdown()
 
 
 def main(argv: list[str]) -> int:

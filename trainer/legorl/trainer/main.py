@@ -335,6 +335,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if service.resumed_from is not None and rank == 0:
         print(f"resumed at step {service.trainer.step} (checkpoint of step {service.resumed_from})")
     done = service.run(max_steps=args.steps, wait=not args.no_wait, poll_seconds=args.poll_seconds)
+    if "WORLD_SIZE" in os.environ:
+        # Not on an error: a failing rank must exit (torchrun then stops the others), not wait for them.
+        from legorl.trainer.parallel import shutdown  # noqa: PLC0415
+
+        shutdown()
     if rank == 0:
         print(
             f"trained {len(done)} step(s); policy version v{service.trainer.step}; "

@@ -129,6 +129,20 @@ def gather_objects(value: T) -> list[T] | None:
     return out
 
 
+def shutdown() -> None:
+    """Tear megatron's groups and the process group down (every rank, at the end). Left to the interpreter's
+    exit, gloo's threads can outlive it: a rank then dies with "terminate called without an active
+    exception" (SIGABRT), and torchrun fails the whole run after its work was done."""
+    global _CONTROL  # noqa: PLW0603 -- the process's one control group goes with it
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier(group=control_group())
+    _CONTROL = None
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def all_reduce_cpu(values: torch.Tensor, op: Any = None) -> torch.Tensor:
     """Sum (or `op`) of a small CPU tensor over every rank, through the control group."""
     if dist.get_world_size() == 1:
