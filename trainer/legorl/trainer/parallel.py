@@ -291,9 +291,12 @@ def global_grad_norm(
 ) -> float:
     """L2 norm of the whole model's gradient. `grads[i]` is `named[i]`'s gradient (or its fp32 master's)."""
     counted = {id(p) for p in counted_once(named)}
-    local = torch.zeros((), dtype=torch.float64)
-    for (_, param), grad in zip(named, grads, strict=True):
-        if grad is not None and id(param) in counted:
-            local += grad.detach().double().pow(2).sum().cpu()
+    squares = [
+        grad.detach().double().pow(2).sum()
+        for (_, param), grad in zip(named, grads, strict=True)
+        if grad is not None and id(param) in counted
+    ]
+    # One device-to-host copy, not one per parameter.
+    local = torch.stack(squares).sum().cpu() if squares else torch.zeros((), dtype=torch.float64)
     total = all_reduce_cpu(local.reshape(1))
     return math.sqrt(float(total[0]))
