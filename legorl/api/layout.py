@@ -37,6 +37,12 @@ class ModelShape:
     """Width of a dense MLP."""
     moe_ffn_hidden_size: int
     """Width of one expert (0 for a dense model)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Width of the shared expert (0: none)."""
+    linear_num_key_heads: int = 0
+    """Gated DeltaNet key heads (0: no linear-attention layers)."""
+    linear_num_value_heads: int = 0
+    attention_output_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -200,6 +206,34 @@ class ParallelLayout:
                     f"{FIELD}.tensor",
                     f"the MLP widths ({model.ffn_hidden_size}, experts {model.moe_ffn_hidden_size}) do not "
                     f"split over {tp} tensor-parallel ranks",
+                )
+            )
+        if model.shared_expert_ffn_hidden_size % tp:
+            out.append(
+                LayoutProblem(
+                    f"{FIELD}.tensor",
+                    f"the shared expert's width {model.shared_expert_ffn_hidden_size} does not split over "
+                    f"{tp} "
+                    "tensor-parallel ranks",
+                )
+            )
+        if model.linear_num_key_heads and (
+            model.linear_num_key_heads % tp or model.linear_num_value_heads % tp
+        ):
+            out.append(
+                LayoutProblem(
+                    f"{FIELD}.tensor",
+                    f"the Gated DeltaNet layers' {model.linear_num_key_heads} key / "
+                    f"{model.linear_num_value_heads} value heads do not split over {tp} tensor-parallel "
+                    "ranks",
+                )
+            )
+        if model.linear_num_key_heads and self.context > 1:
+            out.append(
+                LayoutProblem(
+                    f"{FIELD}.context",
+                    "Gated DeltaNet layers have no context parallelism in megatron-core 0.16 (a TODO in "
+                    "ssm/gated_delta_net.py); set context to 1",
                 )
             )
         if ep > 1 and model.num_experts == 0:

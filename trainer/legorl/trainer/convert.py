@@ -21,6 +21,7 @@ tensors bit for bit from every layout (tests/test_trainer_parallel.py).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -54,7 +55,10 @@ __all__ = [
     "parameter_shards",
     "save_hf_checkpoint",
     "take_shard",
+    "untrained_tensors",
 ]
+
+logger = logging.getLogger(__name__)
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -67,11 +71,12 @@ class ConversionError(ValueError):
     """Weights that do not fit the model: missing, unexpected, or misshapen tensors; unsupported layouts."""
 
 
-Split = Literal["none", "rows", "cols", "gate_up"]
+Split = Literal["none", "rows", "cols", "gate_up"] | tuple[int, ...]
 """How tensor parallelism cuts a Megatron parameter: `none` (replicated), `rows` / `cols` (contiguous chunks
 of dim 0 / dim 1: the embedding and output layer by vocabulary, the fused QKV by query group, the projections
 into the residual stream by input), `gate_up` (the gate rows and the up rows each chunked, rank r holding
-[gate_r; up_r], as megatron's SwiGLU layers do)."""
+[gate_r; up_r], as megatron's SwiGLU layers do), or a tuple of segment sizes along dim 0, each segment chunked
+the same way (rank r holding [seg0_r; seg1_r; ...]: Gated DeltaNet's input projection and convolution)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,9 @@ class _Rule:
     """An expert's weight: sharded over the expert tensor-parallel group, held by one expert-parallel rank."""
     qkv: tuple[int, int, int] | None = None
     """(query groups, query heads per group, head dim) of a fused QKV weight."""
+    read_whole: bool = False
+    """Read the HF tensors whole and cut this rank's shard from the Megatron tensor (layouts whose shards are
+    not slices of the HF tensors: gated QKV, Gated DeltaNet)."""
 
 
 def _same(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -150,6 +158,104 @@ def _qkv_rules(
     return fuse, split
 
 
+def _gated_qkv_rules(
+    arch: MoeArchitecture,
+) -> tuple[Callable[..., torch.Tensor], Callable[..., list[torch.Tensor]]]:
+    """Full attention with an output gate: HF's q_proj holds [q_h; gate_h] per head; megatron's linear_qkv per
+    query group [q heads; their gates; k; v]."""
+    groups, d, hidden = arch.num_key_value_heads, arch.head_dim, arch.hidden_size
+    per_group = arch.num_attention_heads // groups
+
+    def fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+        q, k, v = parts
+        for name, tensor, rows in (
+            ("q_proj", q, groups * per_group * 2 * d),
+            ("k_proj", k, groups * d),
+            ("v_proj", v, groups * d),
+        ):
+            if tuple(tensor.shape) != (rows, hidden):
+                raise ConversionError(f"{name} has shape {tuple(tensor.shape)}, expected {(rows, hidden)}")
+        heads = q.reshape(groups, per_group, 2, d, hidden)
+        fused = torch.cat(
+            [
+                heads[:, :, 0].reshape(groups, per_group * d, hidden),
+                heads[:, :, 1].reshape(groups, per_group * d, hidden),
+                k.reshape(groups, d, hidden),
+                v.reshape(groups, d, hidden),
+            ],
+            dim=1,
+        )
+        return fused.reshape(-1, hidden)
+
+    def split(fused: torch.Tensor) -> list[torch.Tensor]:
+        grouped = fused.reshape(groups, (2 * per_group + 2) * d, hidden)
+        q, gate, k, v = torch.split(grouped, [per_group * d, per_group * d, d, d], dim=1)
+        heads = torch.stack(
+            [q.reshape(groups, per_group, d, hidden), gate.reshape(groups, per_group, d, hidden)], dim=2
+        )
+        return [heads.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)]
+
+    return fuse, split
+
+
+def _gdn_rules(arch: MoeArchitecture, m: str, h: str) -> list[_Rule]:
+    """A Gated DeltaNet layer: megatron's in_proj holds [q; k; v; z; b; a] (each over all heads), its conv
+    channels [q; k; v]. Qwen3-Next's checkpoint groups in_proj_qkvz and in_proj_ba per key head; Qwen3.5's
+    keeps     the four projections apart, already in megatron's order."""
+    nk, nv = arch.linear_num_key_heads, arch.linear_num_value_heads
+    dk, dv, hidden = arch.linear_key_head_dim, arch.linear_value_head_dim, arch.hidden_size
+    r = nv // nk
+    qk, v = nk * dk, nv * dv
+    attn, src = m + "self_attention.", h + "linear_attn."
+    segments = (qk, qk, v, v, nv, nv)
+    if arch.model_type == "qwen3_next":
+        names: tuple[str, ...] = (src + "in_proj_qkvz.weight", src + "in_proj_ba.weight")
+        per_head = 2 * dk + 2 * r * dv
+
+        def fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+            qkvz, ba = parts
+            for name, tensor, rows in (("in_proj_qkvz", qkvz, nk * per_head), ("in_proj_ba", ba, 2 * nv)):
+                if tuple(tensor.shape) != (rows, hidden):
+                    raise ConversionError(
+                        f"{name} has shape {tuple(tensor.shape)}, expected {(rows, hidden)}"
+                    )
+            q, k, vv, z = torch.split(qkvz.reshape(nk, per_head, hidden), [dk, dk, r * dv, r * dv], dim=1)
+            b, a = torch.split(ba.reshape(nk, 2 * r, hidden), [r, r], dim=1)
+            return torch.cat([t.reshape(-1, hidden) for t in (q, k, vv, z, b, a)], dim=0)
+
+        def split(fused: torch.Tensor) -> list[torch.Tensor]:
+            q, k, vv, z, b, a = (t.reshape(nk, -1, hidden) for t in torch.split(fused, list(segments), dim=0))
+            return [
+                torch.cat([q, k, vv, z], dim=1).reshape(-1, hidden),
+                torch.cat([b, a], dim=1).reshape(-1, hidden),
+            ]
+    else:
+        names = tuple(src + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
+        sizes = [2 * qk + v, v, nv, nv]
+
+        def fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+            for name, tensor, rows in zip(names, parts, sizes, strict=True):
+                if tuple(tensor.shape) != (rows, hidden):
+                    raise ConversionError(
+                        f"{name} has shape {tuple(tensor.shape)}, expected {(rows, hidden)}"
+                    )
+            return torch.cat(parts, dim=0)
+
+        def split(fused: torch.Tensor) -> list[torch.Tensor]:
+            return list(torch.split(fused, sizes, dim=0))
+
+    return [
+        _Rule(attn + "in_proj.weight", names, fuse, split, split=segments, read_whole=True),
+        _Rule(
+            attn + "conv1d.weight", (src + "conv1d.weight",), _same, _one, split=(qk, qk, v), read_whole=True
+        ),
+        _Rule(attn + "dt_bias", (src + "dt_bias",), _same, _one, split="rows"),
+        _Rule(attn + "A_log", (src + "A_log",), _same, _one, split="rows"),
+        _Rule(attn + "out_norm.weight", (src + "norm.weight",), _same, _one),
+        _Rule(attn + "out_proj.weight", (src + "out_proj.weight",), _same, _one, split="cols"),
+    ]
+
+
 def _pick(candidates: Iterable[str], names: Mapping[str, Any]) -> str:
     options = list(candidates)
     for name in options:
@@ -169,8 +275,7 @@ def _layer_rules(
     experts: Sequence[int],
 ) -> list[_Rule]:
     """The rules of decoder layer `layer` (global index), held as `decoder.layers.{local}` on this stage."""
-    fuse_qkv, split_qkv = _qkv_rules(arch)
-    m, h = f"decoder.layers.{local}.", f"model.layers.{layer}."
+    m, h = f"decoder.layers.{local}.", f"{arch.hf_prefix}layers.{layer}."
     attn = m + "self_attention."
     per_group = arch.num_attention_heads // arch.num_key_value_heads
     rules = [
@@ -180,17 +285,41 @@ def _layer_rules(
             _same,
             _one,
         ),
-        _Rule(
-            attn + "linear_qkv.weight",
-            tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"),
-            fuse_qkv,
-            split_qkv,
-            split="rows",
-            qkv=(arch.num_key_value_heads, per_group, arch.head_dim),
-        ),
-        _Rule(attn + "q_layernorm.weight", (h + "self_attn.q_norm.weight",), _same, _one),
-        _Rule(attn + "k_layernorm.weight", (h + "self_attn.k_norm.weight",), _same, _one),
-        _Rule(attn + "linear_proj.weight", (h + "self_attn.o_proj.weight",), _same, _one, split="cols"),
+    ]
+    if layer in arch.linear_layers:
+        rules += _gdn_rules(arch, m, h)
+    else:
+        qkv_names = tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv")
+        if arch.attention_output_gate:
+            fuse_gated, split_gated = _gated_qkv_rules(arch)
+            rules.append(
+                _Rule(
+                    attn + "linear_qkv.weight",
+                    qkv_names,
+                    fuse_gated,
+                    split_gated,
+                    split="rows",
+                    read_whole=True,
+                )
+            )
+        else:
+            fuse_qkv, split_qkv = _qkv_rules(arch)
+            rules.append(
+                _Rule(
+                    attn + "linear_qkv.weight",
+                    qkv_names,
+                    fuse_qkv,
+                    split_qkv,
+                    split="rows",
+                    qkv=(arch.num_key_value_heads, per_group, arch.head_dim),
+                )
+            )
+        rules += [
+            _Rule(attn + "q_layernorm.weight", (h + "self_attn.q_norm.weight",), _same, _one),
+            _Rule(attn + "k_layernorm.weight", (h + "self_attn.k_norm.weight",), _same, _one),
+            _Rule(attn + "linear_proj.weight", (h + "self_attn.o_proj.weight",), _same, _one, split="cols"),
+        ]
+    rules += [
         _Rule(
             _pick([m + "pre_mlp_layernorm.weight", m + "mlp.linear_fc1.layer_norm_weight"], params),
             (h + "post_attention_layernorm.weight",),
@@ -223,6 +352,27 @@ def _layer_rules(
                     _pick(fc2, params), (expert + "down_proj.weight",), _same, _one, split="cols", expert=True
                 ),
             ]
+        if arch.shared_expert_ffn_hidden_size:
+            shared = h + "mlp.shared_expert."
+            rules += [
+                _Rule(
+                    m + "mlp.shared_experts.linear_fc1.weight",
+                    (shared + "gate_proj.weight", shared + "up_proj.weight"),
+                    _concat,
+                    _split_halves,
+                    split="gate_up",
+                ),
+                _Rule(
+                    m + "mlp.shared_experts.linear_fc2.weight",
+                    (shared + "down_proj.weight",),
+                    _same,
+                    _one,
+                    split="cols",
+                ),
+                _Rule(
+                    m + "mlp.shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), _same, _one
+                ),
+            ]
     else:
         rules += [
             _Rule(
@@ -245,14 +395,18 @@ def _rules(arch: MoeArchitecture, model: torch.nn.Module) -> list[_Rule]:
     if inner.pre_process:
         rules.append(
             _Rule(
-                "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), _same, _one, split="rows"
+                "embedding.word_embeddings.weight",
+                (arch.hf_prefix + "embed_tokens.weight",),
+                _same,
+                _one,
+                split="rows",
             )
         )
     for local, block in enumerate(inner.decoder.layers):
         experts = list(getattr(block.mlp, "local_expert_indices", []))
         rules += _layer_rules(arch, params, local, int(block.layer_number) - 1, experts)
     if inner.post_process:
-        rules.append(_Rule("decoder.final_layernorm.weight", ("model.norm.weight",), _same, _one))
+        rules.append(_Rule("decoder.final_layernorm.weight", (arch.hf_prefix + "norm.weight",), _same, _one))
         if not arch.tie_word_embeddings:
             rules.append(_Rule("output_layer.weight", ("lm_head.weight",), _same, _one, split="rows"))
     return rules
@@ -260,19 +414,40 @@ def _rules(arch: MoeArchitecture, model: torch.nn.Module) -> list[_Rule]:
 
 def hf_names(arch: MoeArchitecture) -> list[str]:
     """Every HF tensor of the whole model, in checkpoint order (the tied `lm_head.weight` left out)."""
-    names = ["model.embed_tokens.weight"]
+    prefix = arch.hf_prefix
+    names = [prefix + "embed_tokens.weight"]
     for i in range(arch.num_layers):
-        h = f"model.layers.{i}."
-        names += [h + "input_layernorm.weight", *(h + f"self_attn.{p}_proj.weight" for p in "qkv")]
-        names += [h + "self_attn.q_norm.weight", h + "self_attn.k_norm.weight", h + "self_attn.o_proj.weight"]
+        h = f"{prefix}layers.{i}."
+        names.append(h + "input_layernorm.weight")
+        if i in arch.linear_layers:
+            a = h + "linear_attn."
+            projections = ("qkvz", "ba") if arch.model_type == "qwen3_next" else ("qkv", "z", "b", "a")
+            names += [a + f"in_proj_{p}.weight" for p in projections]
+            names += [
+                a + "conv1d.weight",
+                a + "dt_bias",
+                a + "A_log",
+                a + "norm.weight",
+                a + "out_proj.weight",
+            ]
+        else:
+            names += [h + f"self_attn.{p}_proj.weight" for p in "qkv"]
+            names += [
+                h + "self_attn.q_norm.weight",
+                h + "self_attn.k_norm.weight",
+                h + "self_attn.o_proj.weight",
+            ]
         names.append(h + "post_attention_layernorm.weight")
         if i in arch.moe_layers:
             names.append(h + "mlp.gate.weight")
             for e in range(arch.num_experts):
                 names += [h + f"mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+            if arch.shared_expert_ffn_hidden_size:
+                names += [h + f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+                names.append(h + "mlp.shared_expert_gate.weight")
         else:
             names += [h + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    names.append("model.norm.weight")
+    names.append(prefix + "norm.weight")
     if not arch.tie_word_embeddings:
         names.append("lm_head.weight")
     return names
@@ -299,7 +474,7 @@ def _full_shape(rule: _Rule, local: torch.Size) -> tuple[int, ...]:
     """The whole Megatron tensor's shape, from this rank's shard of it."""
     size = _tp(rule)[0]
     shape = list(local)
-    if rule.split in ("rows", "gate_up"):
+    if isinstance(rule.split, tuple) or rule.split in ("rows", "gate_up"):
         shape[0] *= size
     elif rule.split == "cols":
         shape[1] *= size
@@ -322,6 +497,12 @@ def _read_local(
 
     if size == 1 or rule.split == "none":
         return rule.to_megatron([read(name, everything, everything) for name in rule.hf])
+    if rule.read_whole:
+        full = rule.to_megatron([read(name, everything, everything) for name in rule.hf])
+        for n in rule.split if isinstance(rule.split, tuple) else (full.shape[0],):
+            if n % size:
+                raise ConversionError(f"{rule.megatron}: {n} rows do not split over {size} tensor ranks")
+        return take_shard(full, rule.split, size, rank).clone()
     if rule.qkv is not None:
         groups, per_group, d = rule.qkv
         g = chunk(groups)
@@ -349,6 +530,10 @@ def assemble(pieces: Sequence[torch.Tensor], split: Split) -> torch.Tensor:
     """The whole tensor from every tensor-parallel rank's shard of it, in rank order."""
     if split == "none" or len(pieces) == 1:
         return pieces[0]
+    if isinstance(split, tuple):
+        parts = len(pieces)
+        cut = [torch.split(p, [n // parts for n in split], dim=0) for p in pieces]
+        return torch.cat([cut[r][i] for i in range(len(split)) for r in range(parts)], dim=0)
     if split == "rows":
         return torch.cat(list(pieces), dim=0)
     if split == "cols":
@@ -361,6 +546,8 @@ def take_shard(full: torch.Tensor, split: Split, parts: int, index: int) -> torc
     """Shard `index` of `parts` of a whole tensor (the inverse of `assemble`)."""
     if split == "none" or parts == 1:
         return full
+    if isinstance(split, tuple):
+        return torch.cat([segment.chunk(parts, dim=0)[index] for segment in torch.split(full, list(split))])
     if split == "rows":
         return full.chunk(parts, dim=0)[index]
     if split == "cols":
@@ -431,15 +618,25 @@ def hf_tensor_locations(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Pat
     )
 
 
+def untrained_tensors(arch: MoeArchitecture, names: Iterable[str]) -> list[str]:
+    """The checkpoint tensors this trainer does not build (`arch.untrained_prefixes`: multi-token prediction,
+    a vision tower), sorted."""
+    return (
+        sorted(n for n in names if n.startswith(arch.untrained_prefixes)) if arch.untrained_prefixes else []
+    )
+
+
 def load_hf_weights(
     model: torch.nn.Module, checkpoint_dir: str | os.PathLike[str], arch: MoeArchitecture
-) -> None:
+) -> list[str]:
     """Copy a HF safetensors checkpoint into this rank's share of the Megatron model.
 
     Every rank reads only the slices of the tensors its parameters are made of (safetensors reads a slice
     without loading the rest), cast to each parameter's dtype and device. The checkpoint must hold exactly
     the model's tensors (a tied checkpoint's `lm_head.weight` excepted) with the shapes the config implies,
-    and every parameter of this rank must be covered; nothing is copied unless all checks pass.
+    and every parameter of this rank must be covered; nothing is copied unless all checks pass. Tensors of
+    parts the trainer does not build (`untrained_tensors`: MTP layers, a vision tower) are left out, logged,
+    and returned by name; `save_hf_checkpoint` carries them over unchanged.
     """
     params = _parameters(model)
     rules = _rules(arch, model)
@@ -449,7 +646,8 @@ def load_hf_weights(
     wanted = set(hf_names(arch))
     missing = sorted(wanted - locations.keys())
     ignorable = {"lm_head.weight"} if arch.tie_word_embeddings else set()
-    unexpected = sorted(locations.keys() - wanted - ignorable)
+    skipped = untrained_tensors(arch, locations.keys() - wanted)
+    unexpected = sorted(locations.keys() - wanted - ignorable - set(skipped))
     uncovered = sorted(params.keys() - {rule.megatron for rule in rules})
     problems = []
     if missing:
@@ -503,6 +701,16 @@ def load_hf_weights(
             target = params[rule.megatron]
             target.copy_(_read_local(rule, read, shapes).to(target.dtype))
     handles.clear()
+    if skipped:
+        logger.info(
+            "%s: %d tensors of parts the trainer does not build are not trained (carried over into "
+            "checkpoints "
+            "it writes): %s",
+            where,
+            len(skipped),
+            _some(skipped),
+        )
+    return skipped
 
 
 def _sources() -> dict[tuple[int, int | None], int]:
@@ -675,6 +883,12 @@ def save_hf_checkpoint(
     if not (source / "config.json").is_file():
         raise ConversionError(f"{source}: no config.json to copy; source_dir must be the HF checkpoint")
     tensors = export_hf_state_dict(model, arch)
+    carried = untrained_tensors(arch, hf_tensor_locations(source)) if arch.untrained_prefixes else []
+    if carried:
+        locations = hf_tensor_locations(source)
+        for name in carried:
+            with safe_open(str(locations[name]), framework="pt") as f:
+                tensors[name] = f.get_tensor(name)
     if dtype is not None:
         tensors = {name: t.to(dtype) for name, t in tensors.items()}
     saved_dtype = next(iter(tensors.values())).dtype

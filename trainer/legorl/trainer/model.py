@@ -9,6 +9,12 @@ checkpoint's eps; SwiGLU (`gated_linear_unit` + SiLU) without biases; RoPE with 
 not interleaved; an untied output layer unless the config ties it; router softmax with
 `moe_router_pre_softmax = not norm_topk_prob` (normalised top-k is a softmax over the top-k logits), no
 top-k scaling, no load-balancing loss.
+
+The hybrid-attention family (Qwen3-Next, Qwen3.5; `legorl.trainer.hybrid` builds its linear-attention layers)
+adds: Gated DeltaNet at the layers `layer_types` names (megatron's `linear_*` config fields); full attention
+with megatron's `attention_output_gate` (sigmoid of a gate projected with the query); zero-centred RMSNorm
+(`(1 + w)`, megatron's `layernorm_zero_centered_gamma`) for the layer, q/k and final norms; RoPE over the
+first `rotary_percent` of each head; a shared expert with megatron's sigmoid `moe_shared_expert_gate`.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from legorl.trainer import compat
+from legorl.trainer import compat, hybrid
 from legorl.trainer.architecture import ModelConfigError, MoeArchitecture
 
 with compat.silence_import_warnings():
@@ -36,6 +42,7 @@ with compat.silence_import_warnings():
     from megatron.core.transformer.moe.router_replay import RouterReplay
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 __all__ = [
     "GPTModel",
@@ -177,6 +184,22 @@ def transformer_config(
             "moe_permute_fusion": False,
             "moe_enable_routing_replay": routing_replay,
         }
+        if arch.shared_expert_ffn_hidden_size:
+            moe_kwargs |= {
+                "moe_shared_expert_intermediate_size": arch.shared_expert_ffn_hidden_size,
+                "moe_shared_expert_gate": True,
+                # Overlapping the shared expert with dispatch needs CUDA streams and the alltoall dispatcher.
+                "moe_shared_expert_overlap": False,
+            }
+    hybrid_kwargs: dict[str, Any] = {}
+    if arch.is_hybrid:
+        hybrid_kwargs = {
+            "linear_conv_kernel_dim": arch.linear_conv_kernel_dim,
+            "linear_key_head_dim": arch.linear_key_head_dim,
+            "linear_value_head_dim": arch.linear_value_head_dim,
+            "linear_num_key_heads": arch.linear_num_key_heads,
+            "linear_num_value_heads": arch.linear_num_value_heads,
+        }
     return _without_te_recompute_advice(
         TransformerConfig,
         num_layers=arch.num_layers,
@@ -188,6 +211,8 @@ def transformer_config(
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
         qk_layernorm=True,
+        layernorm_zero_centered_gamma=arch.zero_centered_norm,
+        attention_output_gate=arch.attention_output_gate,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -231,6 +256,7 @@ def transformer_config(
         cuda_graph_scope=[],
         **recompute_kwargs,
         **moe_kwargs,
+        **hybrid_kwargs,
     )
 
 
@@ -290,6 +316,23 @@ def build_model(
     )
     if not use_transformer_engine:
         _swap_torch_norms(spec)
+    if arch.is_hybrid:
+        if use_transformer_engine:
+            raise ModelConfigError(
+                "the hybrid family is built on megatron's local spec here (its own builder needs Transformer "
+                "Engine for every layer); build with use_transformer_engine=False"
+            )
+        hybrid.enable_torch_gated_delta_rule()
+        first_layer = get_transformer_layer_offset(config)
+        for offset, layer in enumerate(spec.layer_specs):
+            if first_layer + offset in arch.linear_layers:
+                # Layers of one kind share one spec object: replace, never mutate.
+                spec.layer_specs[offset] = dataclasses.replace(
+                    layer,
+                    submodules=dataclasses.replace(
+                        layer.submodules, self_attention=hybrid.gated_delta_net_spec()
+                    ),
+                )
     for layer in spec.layer_specs:
         mlp = layer.submodules.mlp
         if isinstance(mlp.module, type) and issubclass(mlp.module, MLP):
@@ -298,7 +341,20 @@ def build_model(
             layer.submodules.mlp = dataclasses.replace(
                 mlp, params={**mlp.params, "ffn_hidden_size": config.ffn_hidden_size}
             )
-    net = GPTModel(
+    with warnings.catch_warnings():
+        # megatron's SharedExpertMLP sets its width on a copy of the config and then builds its MLP without
+        # passing it, which warns (a deprecation) on every shared expert; a caller cannot pass the width.
+        warnings.filterwarnings("ignore", message="MLP requires ffn_hidden_size", category=DeprecationWarning)
+        net = _gpt_model(arch, config, spec, first=first, last=last)
+    # megatron's torch RMSNorm modules are created in float32 whatever params_dtype says; one dtype
+    # throughout is what a HF checkpoint of that dtype holds (outputs are the same: the norm returns the
+    # input's dtype either way).
+    built: torch.nn.Module = net.to(device=resolved, dtype=dtype)
+    return built
+
+
+def _gpt_model(arch: MoeArchitecture, config: Any, spec: Any, *, first: bool, last: bool) -> Any:
+    return GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
@@ -310,14 +366,9 @@ def build_model(
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=arch.rotary_percent,
         rotary_base=arch.rope_theta,
     )
-    # megatron's torch RMSNorm modules are created in float32 whatever params_dtype says; one dtype
-    # throughout is what a HF checkpoint of that dtype holds (outputs are the same: the norm returns the
-    # input's dtype either way).
-    built: torch.nn.Module = net.to(device=resolved, dtype=dtype)
-    return built
 
 
 class SequenceParallelNorm:
@@ -339,14 +390,30 @@ class SequenceParallelNorm:
         zero_centered_gamma: bool = False,
         normalization: str = "RMSNorm",
     ) -> torch.nn.Module:
-        if config.normalization != "RMSNorm" or zero_centered_gamma or config.layernorm_zero_centered_gamma:
-            raise ModelConfigError(
-                f"normalization {config.normalization!r} (zero-centred {zero_centered_gamma}): only plain "
-                "RMSNorm is built"
-            )
-        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        if config.normalization != "RMSNorm":
+            raise ModelConfigError(f"normalization {config.normalization!r}: only RMSNorm is built")
+        norm: torch.nn.Module
+        if zero_centered_gamma or config.layernorm_zero_centered_gamma:
+            norm = ZeroCenteredRMSNorm(hidden_size, eps=eps)
+        else:
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
         norm.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
         return norm
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm scaled by (1 + weight), in float32 whatever the input's dtype: transformers' `Qwen3NextRMSNorm`
+    (the weight starts at zero)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
 def _swap_torch_norms(spec: Any) -> None:

@@ -381,3 +381,87 @@ def make_tiny_model(directory: Path, *, seed: int = 0) -> Path:
     model.generation_config = generation_config(tokenizer)
     model.save_pretrained(str(directory))
     return directory
+
+
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")
+
+
+def hybrid_config(tokenizer: Any, family: str = "qwen3_next") -> Any:
+    """A tiny config of the hybrid-attention family (`qwen3_next` or `qwen3_5_moe`'s text model): 4 layers
+    (Gated DeltaNet, full, Gated DeltaNet, full), hidden 64, 4 query heads / 2 KV heads of dim 32 (RoPE on
+    the first quarter), 2 key / 4 value linear heads of dim 16, 8 experts (top-2, width 32) and a shared
+    expert (width 48) per MoE layer; Qwen3-Next's layer 2 is a dense MLP (`mlp_only_layers`)."""
+    import transformers as transformers_typed  # noqa: PLC0415
+
+    transformers: Any = transformers_typed
+    if family not in HYBRID_FAMILIES:
+        raise ValueError(f"family={family!r}: use one of {HYBRID_FAMILIES}")
+    endoftext_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+    common: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 32768,
+        "initializer_range": 0.1,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
+        "bos_token_id": endoftext_id,
+        "eos_token_id": im_end_id,
+        "pad_token_id": endoftext_id,
+        "dtype": "float32",
+    }
+    if family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(
+            **common, intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2]
+        )
+        config.architectures = ["Qwen3NextForCausalLM"]
+    else:
+        config = transformers.Qwen3_5MoeTextConfig(**common)
+        config.architectures = ["Qwen3_5MoeForCausalLM"]
+    return config
+
+
+def make_tiny_hybrid(directory: Path, *, family: str = "qwen3_next", seed: int = 0) -> Path:
+    """Write a tiny random checkpoint of the hybrid-attention family (`hybrid_config`; fp32 safetensors,
+    the tiny-moe tokenizer and chat template) to `directory`. The norms, decays, time-step biases and
+    convolutions that transformers initialises to constants are drawn at random too, so a wrong mapping of
+    any of them shows in the logits. Returns `directory`."""
+    import torch  # noqa: PLC0415
+    import transformers as transformers_typed  # noqa: PLC0415
+
+    transformers: Any = transformers_typed
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = chat_tokenizer(byte_level_bpe(training_corpus(seed), vocab_size=VOCAB_SIZE))
+    tokenizer.save_pretrained(str(directory))
+    config = hybrid_config(tokenizer, family)
+    cls = transformers.Qwen3NextForCausalLM if family == "qwen3_next" else transformers.Qwen3_5MoeForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config).to(torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("norm.weight", "layernorm.weight")):
+                    param.add_(torch.randn_like(param) * 0.2)
+                elif name.endswith(("A_log", "dt_bias")):
+                    param.copy_(torch.rand_like(param) * 2.0 - 0.5)
+                elif name.endswith("conv1d.weight"):
+                    param.copy_(torch.randn_like(param) * 0.5)
+    model.generation_config = generation_config(tokenizer)
+    model.save_pretrained(str(directory))
+    return directory
