@@ -1,6 +1,7 @@
 """The prepared GPU check: the trainer's GPU configuration exercised end to end on one GPU, under 10 minutes.
 
     bash benchmarks/gpu_check.sh            # on a machine with a CUDA GPU (installs carried wheels if needed)
+    bash benchmarks/gpu_check.sh --family qwen3_next        # the hybrid-attention family (or qwen3_5_moe)
     python benchmarks/gpu_check.py --device cpu --size tiny   # the same script on CPU, to test the script
 
 What it checks and prints (JSON lines, and a summary table at the end):
@@ -16,6 +17,13 @@ What it checks and prints (JSON lines, and a summary table at the end):
 6. The trainer's vocab-parallel log-probs and entropy on the device (bf16 logits of a 151,936 vocabulary)
    against torch's log_softmax: values and gradients. Steps 3–4 already run the multi-rank trainer's code
    path (plan, pipeline schedule, gradient reductions) at one rank on the GPU.
+With `--family qwen3_next` / `qwen3_5_moe` the same checks run on a random model of the hybrid-attention
+family (Gated DeltaNet + gated full attention, shared experts, partial RoPE, zero-centred norms): 3 is then
+the question the family asks, Pearson of bf16 rollout vs training log-probs with replay on and off. The
+rollout is the trainer's own bf16 sampler with routing recorded, not vLLM: vLLM's Gated DeltaNet layers need
+its Triton/FlashInfer kernels and a CUDA vLLM build, which the check machine lacks (run the embedded loop on
+a GPU image for the engine side). Without flash-linear-attention installed, Gated DeltaNet runs the torch
+gated delta rule on the GPU too (`legorl.trainer.hybrid`).
 Not here (one GPU): tensor, expert and pipeline parallelism over NCCL, and NCCL weight sync into vLLM (no
 CUDA vLLM fits the check machine). Transformer Engine is not used: it is not installed on the check
 machine and cannot be fetched there; the local layer spec runs the same model (see docs/trainer.md for the
@@ -113,6 +121,88 @@ def make_model(directory: Path, size: dict[str, Any], seed: int = 0) -> Path:
         torch.manual_seed(seed)
         model: Any = transformers.Qwen3MoeForCausalLM(cfg)  # type: ignore[no-untyped-call]
         model = model.to(torch.float32)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+HYBRID_SIZES: dict[str, dict[str, Any]] = {
+    # ~0.5B parameters: 8 layers (Gated DeltaNet ×3, then full attention), 64 experts top-8 + a shared expert.
+    "mid": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 8,
+        "full_attention_interval": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "linear_num_key_heads": 8,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "intermediate_size": 2048,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "full_attention_interval": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "intermediate_size": 96,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+}
+
+
+def make_hybrid_model(directory: Path, size_name: str, family: str, seed: int = 0) -> Path:
+    """A random checkpoint of the hybrid-attention family (`qwen3_next`, or `qwen3_5_moe`'s text model) with
+    the vocabulary and sequence settings of SIZES[size_name]."""
+    import transformers  # noqa: PLC0415
+
+    shape = dict(HYBRID_SIZES[size_name])
+    interval = shape.pop("full_attention_interval")
+    layers = shape["num_hidden_layers"]
+    common = {
+        **shape,
+        "vocab_size": SIZES[size_name]["vocab_size"],
+        "layer_types": [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
+        ],
+        "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 8192,
+        "initializer_range": 0.02 if shape["hidden_size"] > 256 else 0.1,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        "dtype": "float32",
+    }
+    tf: Any = transformers
+    if family == "qwen3_next":
+        cfg = tf.Qwen3NextConfig(**common, norm_topk_prob=True)
+        cls = tf.Qwen3NextForCausalLM
+    else:
+        common.pop("intermediate_size")
+        cfg = tf.Qwen3_5MoeTextConfig(**common)
+        cls = tf.Qwen3_5MoeForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model: Any = cls(cfg).to(torch.float32)
+        with torch.no_grad():  # the norms, decays and biases transformers starts at constants
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(torch.randn_like(param) * 0.2)
+                elif name.endswith(("A_log", "dt_bias")):
+                    param.copy_(torch.rand_like(param) * 2.0 - 0.5)
     model.save_pretrained(str(directory))
     return directory
 
@@ -391,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--size", choices=tuple(SIZES), default="mid")
     p.add_argument("--out", type=Path, help="write the JSON results here")
+    p.add_argument(
+        "--family",
+        choices=("qwen3_moe", "qwen3_next", "qwen3_5_moe"),
+        default="qwen3_moe",
+        help="the model family to check (default: Qwen3-MoE)",
+    )
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu to test the script itself", file=sys.stderr)
@@ -406,12 +502,17 @@ def main(argv: list[str] | None = None) -> int:
         torch=torch.__version__,
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         size=args.size,
+        family=args.family,
     )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="legorl-gpu-check-") as tmp:
         root = Path(tmp)
-        tiny = make_model(root / "tiny", SIZES["tiny"])
-        big = tiny if args.size == "tiny" else make_model(root / args.size, SIZES[args.size])
+        if args.family == "qwen3_moe":
+            tiny = make_model(root / "tiny", SIZES["tiny"])
+            big = tiny if args.size == "tiny" else make_model(root / args.size, SIZES[args.size])
+        else:
+            tiny = make_hybrid_model(root / "tiny", "tiny", args.family)
+            big = tiny if args.size == "tiny" else make_hybrid_model(root / args.size, args.size, args.family)
         steps: list[tuple[str, Callable[[], None]]] = [
             ("equivalence tiny", lambda: check_equivalence(tiny, SIZES["tiny"], device)),
             ("equivalence size", lambda: check_equivalence(big, SIZES[args.size], device)),

@@ -44,6 +44,52 @@ def test_the_equivalence_table_is_the_results_file() -> None:
         assert (row[4] == "yes") == (not f64["figures_differing"]), name
 
 
+def test_the_hybrid_family_tables_are_the_results_file() -> None:
+    results = json.loads((REPO / "benchmarks/results/hybrid_equivalence.json").read_text())
+    heading = "### Equivalence (`benchmarks/hybrid_equivalence.py`)"
+    families = {"Qwen3-Next": "qwen3_next", "Qwen3.5-MoE (text)": "qwen3_5_moe"}
+    rows = {row[0]: row for row in _table_after(heading)}
+    assert rows.keys() == families.keys()
+    for label, family in families.items():
+        got, row = results["transformers"][family], rows[label]
+        shown = [float(row[1]), float(row[2]), float(row[4]), float(row[5].split()[0])]
+        wanted = [
+            got["logits"]["median_abs_dlogit_per_sequence"],
+            got["logits"]["max_abs_dlogit"],
+            max(got["gated_delta_net_layer_rel_delta"].values()),
+            got["gradients"]["worst_rel_delta"],
+        ]
+        assert shown == pytest.approx(wanted, rel=0.06), label
+        assert (row[6] == "yes") == got["export_bit_exact"] is True, label
+    section = DOC[DOC.index(heading) :]
+    controls = {row[0]: row for row in _rows_of_table(section, "| control |")}
+    assert controls.keys() == results["transformers"]["qwen3_next"]["controls_max_abs_dlogit"].keys()
+    for name, row in controls.items():
+        for cell, family in ((row[1], "qwen3_next"), (row[2], "qwen3_5_moe")):
+            assert float(cell) == pytest.approx(
+                results["transformers"][family]["controls_max_abs_dlogit"][name], abs=0.01
+            )
+    layouts = {row[0]: row for row in _rows_of_table(section, "| layout |")}
+    assert layouts.keys() == results["layouts_float64"].keys()
+    for name, row in layouts.items():
+        got = results["layouts_float64"][name]
+        shown = [float(cell) for cell in row[1:4]]
+        wanted = [got["max_abs_dlogit"], got["max_abs_dgrad"], got["max_abs_dweight"]]
+        assert shown == pytest.approx(wanted, rel=0.06, abs=1e-300), name
+        assert (row[4] == "yes") == (not got["figures_differing"]), name
+
+
+def _rows_of_table(text: str, header: str) -> list[list[str]]:
+    """The body rows of the Markdown table whose header line starts with `header`."""
+    lines = text[text.index(header) :].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
 def test_the_sizing_table_is_what_the_script_computes(tmp_path: Path) -> None:
     out = tmp_path / "sizing.json"
     subprocess.run([sys.executable, "benchmarks/trainer_sizing.py", "--out", str(out)], cwd=REPO, check=True)

@@ -35,12 +35,13 @@ pytestmark = [pytest.mark.filterwarnings("ignore:Warning. tp_group is None:Depre
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "trainer_ranks.py"
-# fp32, logits up to ~4.5: 1.3e-5–4.3e-5 per sequence, but one of 12 sequences (4 seeds × 3) reaches 3.0e-4 at
-# one position. Not a mapping error: the same Gated DeltaNet layer fed the same input agrees to ~5e-6 (below),
-# and a later Gated DeltaNet layer amplifies the 1e-5-level float32 differences of the layers before it (the
-# gated delta rule's two torch implementations differ in their triangular solve and decay order). Every
-# control below moves the logits by more than 1e-1.
-LOGIT_TOL = 5e-4
+# fp32, logits up to ~4.6 (benchmarks/results/hybrid_equivalence.json): the median sequence is 2e-5 off, the
+# worst of 12 reaches 3.7e-4 (Qwen3-Next) at one position. Not a mapping error: the same Gated DeltaNet layer
+# fed the same input agrees to ≤ 2.4e-6 relative (below), and a later Gated DeltaNet layer amplifies the
+# 1e-5-level float32 differences of the layers before it (the gated delta rule's two torch implementations
+# differ in their triangular solve and decay order). The tolerance is the Qwen3-MoE test's; every control
+# below moves the logits by more than 4.
+LOGIT_TOL = 1e-3
 LAYER_TOL = 1e-5  # relative (measured up to 3e-6), one Gated DeltaNet layer on the reference's own input
 SEQ = 80
 
@@ -290,7 +291,7 @@ def test_each_feature_mis_mapped_moves_the_logits(
     ids = _tokens(arch, 2, SEQ, seed=6)
     delta = float((_logits(broken, ids) - _logits(net, ids)).abs().max())
     print(f"{arch.model_type} {control}: max |Δlogit| {delta:.3f}")
-    assert delta > 1e-1
+    assert delta > 1.0
 
 
 # --- what is refused, before launch -------------------------------------------------------------------------
@@ -420,3 +421,30 @@ def test_an_rl_step_with_replay_trains_alike_at_tp1_and_tp2_ep2(tmp_path: Path) 
     # The control: without replay the same layout routes where the engine did not.
     off = launch(4, "--tp", "2", "--ep", "2", "--no-replay")
     assert _max_delta(one["logits"], off["logits"]) > 1e-1
+
+
+def test_the_flagship_manifest_checks_against_its_own_model_family(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """examples/gpu-swe-verified.yaml names Qwen3.5-35B-A3B: `legorl train --check` against that config
+    (transformers' `Qwen3_5MoeConfig` defaults, which its docs name Qwen/Qwen3.5-35B-A3B: 40 layers, 30 of
+    them Gated DeltaNet, 256 experts, 2 KV heads) accepts TP 2 × EP 8, and refuses TP 4, which the 2 KV heads
+    cannot take, naming the field."""
+    import yaml  # noqa: PLC0415
+
+    from legorl.cli.main import main  # noqa: PLC0415
+
+    example = REPO / "examples" / "gpu-swe-verified.yaml"
+    config = REPO / "tests" / "fixtures" / "qwen3.5-35b-a3b"
+    shape = MoeArchitecture.from_hf(config)
+    assert len(shape.linear_layers) == 30 and shape.hf_prefix == "model.language_model."
+    assert main(["train", "--spec", str(example), "--check", "--checkpoint-dir", str(config)]) == 0
+    assert "fits the layout" in capsys.readouterr().out
+    manifest = yaml.safe_load(example.read_text())
+    manifest["spec"]["trainer"]["parallelism"].update(tensor=4, expert=8)
+    bad = tmp_path / "tp4.yaml"
+    bad.write_text(yaml.safe_dump(manifest))
+    assert main(["train", "--spec", str(bad), "--check", "--checkpoint-dir", str(config)]) == 2
+    assert "spec.trainer.parallelism.tensor: the model's 2 key/value heads do not split over 4" in (
+        capsys.readouterr().err
+    )
