@@ -448,3 +448,12 @@ def test_the_flagship_manifest_checks_against_its_own_model_family(
     assert "spec.trainer.parallelism.tensor: the model's 2 key/value heads do not split over 4" in (
         capsys.readouterr().err
     )
+    # A config the trainer cannot build is refused before launch too, naming the file and the field.
+    broken = _config(config)
+    broken["text_config"]["attn_output_gate"] = False
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text(json.dumps(broken))
+    assert (
+        main(["train", "--spec", str(example), "--check", "--checkpoint-dir", str(tmp_path / "broken")]) == 2
+    )
+    assert "config.json: text_config: attn_output_gate=false is not supported" in capsys.readouterr().err
