@@ -27,8 +27,10 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
 ]
 
-# PLATFORM.md measured 7e-5 on logits of magnitude ~26; every wrong mapping flag shifts them by 1–40.
-LOGIT_TOL = 1e-3
+# This test measures 9.3e-5 on logits up to 26.2 (the other shapes below: 1.9e-5 and 3.0e-5 on ~17), fp32
+# on a 2-core x86 machine; 2e-4 leaves room for other CPUs' kernels and is what README.md claims. Every wrong
+# mapping flag shifts the logits by 1–40.
+LOGIT_TOL = 2e-4
 
 
 @pytest.fixture(scope="module")
