@@ -198,9 +198,11 @@ CASES: dict[str, tuple[list[Any], list[Any]]] = {
         [{"heldOutPercent": 10}, {}],
         [{"heldOutPercent": 10, "heldOutTaskIds": ["t1"]}],
     ),
-    "self.name == 'PPO' || self.groupSize >= 2": (
-        [{"name": "GRPO", "groupSize": 2}, {"name": "PPO", "groupSize": 1}],
-        [{"name": "GRPO", "groupSize": 1}, {"name": "GSPO", "groupSize": 1}],
+    # PPO's baseline is its group's mean too: with one trial per group every advantage is 0 and the
+    # zero-variance filter drops every group, so PPO with groupSize 1 would validate and never train.
+    "self.groupSize >= 2": (
+        [{"name": "GRPO", "groupSize": 2}, {"name": "PPO", "groupSize": 2}],
+        [{"name": "GRPO", "groupSize": 1}, {"name": "GSPO", "groupSize": 1}, {"name": "PPO", "groupSize": 1}],
     ),
     "double(self.learningRate) > 0.0": (
         [{"learningRate": "1e-6"}, {"learningRate": "0.5"}],

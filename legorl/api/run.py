@@ -183,8 +183,11 @@ class Algorithm(ApiModel):
 
     model_config = rules(
         CelRule(
-            rule="self.name == 'PPO' || self.groupSize >= 2",
-            message="GRPO and GSPO compare trials within a group: groupSize must be at least 2",
+            rule="self.groupSize >= 2",
+            message=(
+                "every algorithm here takes its baseline from the trial's group (GRPO, GSPO, and PPO's "
+                "group mean): groupSize must be at least 2, or every advantage is 0 and nothing trains"
+            ),
             field_path=".groupSize",
         ),
         CelRule(
