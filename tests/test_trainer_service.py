@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from legorl.api.store import RunStore
 from legorl.api.termination import TerminationReason
@@ -179,6 +180,27 @@ def test_resume_gives_the_same_next_step(
     assert got["step"] == 3
     for key in ("loss", "grad_norm", "fidelity_pearson", "entropy", "clip_fraction"):
         assert got[key] == want[key], key
+
+    # The state itself, not only its figures: the weights published as v3 and AdamW's moments.
+    def published(runs: RunStore) -> dict[str, torch.Tensor]:
+        root = Path(str(runs.local_path(runs.weights_path("v3"))))
+        out: dict[str, torch.Tensor] = {}
+        for f in sorted(root.glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    want_weights, got_weights = published(straight_store), published(store)
+    assert want_weights and want_weights.keys() == got_weights.keys()
+    assert all(torch.equal(want_weights[n], got_weights[n]) for n in want_weights)
+    moments = [
+        (a, b)
+        for a, b in zip(straight.trainer.params, second.trainer.params, strict=True)
+        if a in straight.trainer.optimizer.state
+    ]
+    assert moments
+    for a, b in moments:
+        sa, sb = straight.trainer.optimizer.state[a], second.trainer.optimizer.state[b]
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
 
 
 def test_settings_refuse_layouts_that_cannot_run(tiny: Path, tmp_path: Path) -> None:
