@@ -61,10 +61,13 @@ def record(
     )
 
 
-def scored(train: list[float], behavior: list[float], replayed: bool = False) -> dict[str, float]:
+def scored(
+    train: list[float], behavior: list[float], replayed: bool = False, agreeing: int = 0, compared: int = 0
+) -> dict[str, float]:
     """The trainer's figures, as `ScoredBatch.fidelity()` computes them."""
     t = torch.tensor(train)
-    return ScoredBatch(t, torch.tensor(behavior), torch.full_like(t, replayed, dtype=torch.bool)).fidelity()
+    replays = torch.full_like(t, replayed, dtype=torch.bool)
+    return ScoredBatch(t, torch.tensor(behavior), replays, agreeing, compared).fidelity()
 
 
 def run() -> RLRun:
@@ -94,8 +97,18 @@ def test_token_parity_fails_below_the_guard_and_routing_never_passes_silently() 
     )
     _, routing = parity_checks(routed, scored(behavior, behavior, replayed=False), run())
     assert routing.result == "Failed" and "0.0%" in routing.message
+    # Replayed, and the engine's experts are the trainer router's own choice.
+    _, routing = parity_checks(routed, scored(behavior, behavior, True, 6, 6), run())
+    assert routing.result == "Passed" and routing.figures["routing_agreement"] == 1.0
+    # Replayed, but what was replayed is not what these weights route to (tests/test_trainer_replay.py
+    # measures it on a real model with a wrong routing row).
+    _, routing = parity_checks(routed, scored(behavior, behavior, True, 3, 6), run())
+    assert routing.result == "Failed" and "50.00% of 6 (token, MoE layer) pairs" in routing.message
+    _, routing = parity_checks(routed, scored(behavior, behavior, True, 95, 100), run())
+    assert routing.result == "Warning" and "near-ties" in routing.message
+    # Replay reached every token but nobody compared the experts: unmeasured is no pass.
     _, routing = parity_checks(routed, scored(behavior, behavior, replayed=True), run())
-    assert routing.result == "Passed"
+    assert routing.result == "Warning" and "unmeasured" in routing.message
 
 
 def test_parity_is_not_judged_across_a_weight_sync() -> None:

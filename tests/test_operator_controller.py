@@ -853,6 +853,8 @@ def play_trainer_scoring(store: RunStore, pearson: float) -> list[str]:
                 "max_abs_logprob_delta": 0.0 if pearson == 1.0 else 1.5,
                 "mean_abs_logprob_delta": 0.0 if pearson == 1.0 else 0.4,
                 "replayed_share": 1.0,
+                "routing_agreement": 1.0,
+                "routing_compared": float(tokens),
             },
         )
         answered.append(request)

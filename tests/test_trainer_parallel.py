@@ -127,6 +127,11 @@ def test_a_layout_trains_like_one_rank(launch: Runner, layout: str) -> None:
     got = launch(ranks, *args)
     assert got["resumed_from"] is None
     assert _max_delta(one["logits"], got["logits"]) <= 1e-5, "logits"
+    # Routing parity counts every (token, MoE layer) once at any layout, and agrees (a fifth of the
+    # engine's rows were moved in the batch: it is below 1).
+    for key in ("routing_compared", "routing_agreement"):
+        assert got["scored"][key] == one["scored"][key], key
+    assert 0.5 < one["scored"]["routing_agreement"] < 1.0
     want_fig, got_fig = one["figures"][1], got["figures"][1]
     assert math.isclose(want_fig["loss"], got_fig["loss"], rel_tol=1e-6), (want_fig["loss"], got_fig["loss"])
     assert not _figures_equal(want_fig, got_fig)

@@ -370,3 +370,43 @@ def test_replayer_rules(tiny: Path, arch: MoeArchitecture) -> None:
         r.router_replay_action is None and r.target_topk_idx is None and not r.replay_backward_list
         for r in instances
     )
+
+
+def test_routing_parity_compares_the_engine_experts_with_the_router_own_choice(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """The canary's routing parity on a real trainer: trials sampled with their routing recorded score
+    100% agreement; the same trials with a wrong routing row (one trial's rows recorded one token late, as a
+    proxy that misaligned them would) are still fully replayed, but routing parity fails."""
+    import dataclasses  # noqa: PLC0415
+
+    from legorl.controller.canary import parity_checks  # noqa: PLC0415
+    from legorl.embedded.runner import load_run  # noqa: PLC0415
+    from legorl.trainer.sampling import sample, to_trials  # noqa: PLC0415
+    from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
+    from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
+
+    trainer = PolicyTrainer(
+        TrainerSettings(run="parity", store_uri=str(tmp_path / "store"), checkpoint_dir=tiny, device="cpu")
+    )
+    gen = torch.Generator().manual_seed(3)
+    samples = sample(
+        trainer.model, trainer.arch, [[11, 42, 7, 300], [5, 900, 17]], max_new_tokens=12, generator=gen,
+        record_routing=True,
+    )  # fmt: skip
+    trials = to_trials(samples, [1.0, 0.0], run="parity", prefix="t", group_size=2)
+    good = trainer.score_trials(trials).fidelity()
+    assert good["replayed_share"] == 1.0 and good["routing_compared"] > 0
+    assert good["routing_agreement"] == 1.0
+
+    first = trials[0].segments[0]
+    assert first.routed_experts is not None
+    late = np.roll(first.routed_experts, 1, axis=0)  # row i now holds token i-1's experts
+    wrong = dataclasses.replace(trials[0], segments=[dataclasses.replace(first, routed_experts=late)])
+    bad = trainer.score_trials([wrong]).fidelity()
+    assert bad["replayed_share"] == 1.0  # every token still "has" routing: coverage alone sees nothing
+    assert bad["routing_agreement"] < 0.9, bad
+    run = load_run(str(Path(__file__).parents[1] / "examples" / "tiny-local.yaml"))
+    assert parity_checks(trials[0], good, run)[1].result == "Passed"
+    routing = parity_checks(wrong, bad, run)[1]
+    assert routing.result == "Failed" and "(token, MoE layer) pairs" in routing.message

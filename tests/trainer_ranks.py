@@ -220,6 +220,8 @@ def run(args: argparse.Namespace) -> None:
         gathered = parallel.gather_objects(logits_by_key)
         if gathered is not None:
             out["logits"] = {k: v for part in gathered for k, v in part.items()}
+        # Routing parity as the canary measures it (the same on every rank: summed over all of them).
+        out["scored"] = trainer.score_trials(trials).fidelity()
 
     grads: dict[str, torch.Tensor] = {}
     reduce = parallel.reduce_gradients

@@ -14,7 +14,11 @@ The checks, in order, each `Passed`, `Warning` or `Failed` with a message a pers
   correlation of rollout vs. training token log-probabilities is below `fidelity.minCorrelation` — the
   signal the fidelity guard stops a run for, caught before the run.
 - **routing-parity**: with routed experts captured by the engine and routing replay on, every scored
-  token must be routed as the engine routed it. Without captured routing (vLLM's CPU build, or
+  token must have a recorded routing row (replayed), and the recorded experts must be the ones the trainer's
+  router chooses on the same weights, per token and MoE layer (`routing_agreement`, measured by the trainer
+  while it scores): below `ROUTING_AGREEMENT_FLOOR` the run `Failed` (routing recorded for other tokens,
+  in another layer order, or by another model), up to `ROUTING_AGREEMENT_GOOD` a `Warning` (more near-ties
+  than a matching dtype gives). Without captured routing (vLLM's CPU build, or
   `routedExpertsCapture: Disabled`) this is a `Warning` that says so, never a silent pass.
 
 The report goes to the run store (`validation/latest.json`) and, on a cluster, to `status.validation`.
@@ -37,6 +41,10 @@ from legorl.api.trajectory import TrialRecord
 from legorl.manifests.preflight import check_resource
 
 Result = Literal["Passed", "Warning", "Failed"]
+ROUTING_AGREEMENT_FLOOR = 0.9
+"""Below this share of (token, MoE layer) pairs routed as the trainer's router would, routing parity fails."""
+ROUTING_AGREEMENT_GOOD = 0.99
+"""From this share on it passes; in between, near-ties (a bf16 engine against an fp32 trainer) are many."""
 VALIDATION_OBJECT = "validation/latest.json"
 CANARY_TRIAL_PREFIX = "canary-"
 """A canary's trial ids start with this; a run's own trials never do (`s<step>-...`, `e<step>-...`)."""
@@ -188,13 +196,47 @@ def parity_checks(record: TrialRecord, stats: Mapping[str, Any], run: RLRun) -> 
             {"replayed_share": share},
         )
     else:
-        routing = Check(
-            "routing-parity",
-            "Passed",
-            "every scored token replayed the engine's routing",
-            {"replayed_share": share},
-        )
+        routing = _routing_agreement_check(stats, share)
     return [token, routing]
+
+
+def _routing_agreement_check(stats: Mapping[str, Any], share: float) -> Check:
+    """Every scored token was replayed: are the experts replayed the ones these weights route to?"""
+    agreement = _float(stats.get("routing_agreement"))
+    compared = int(_float(stats.get("routing_compared"), 0.0))
+    figures = {"replayed_share": share, "routing_agreement": agreement, "routing_compared": compared}
+    if compared == 0 or math.isnan(agreement):
+        return Check(
+            "routing-parity",
+            "Warning",
+            "every scored token was replayed, but the trainer did not compare the engine's experts with its "
+            "router's own choice (an older trainer image?): routing parity is unmeasured",
+            figures,
+        )
+    said = (
+        f"{agreement:.2%} of {compared} (token, MoE layer) pairs recorded by the engine are the experts the "
+        "trainer's router chooses on the same weights"
+    )
+    if agreement < ROUTING_AGREEMENT_FLOOR:
+        return Check(
+            "routing-parity",
+            "Failed",
+            f"only {said}: the engine's routing was recorded for other tokens, in another layer order or by "
+            "another model (check the proxy's routing capture and that engine and trainer load the same "
+            "checkpoint)",
+            figures,
+        )
+    if agreement < ROUTING_AGREEMENT_GOOD:
+        return Check(
+            "routing-parity",
+            "Warning",
+            f"{said}: more near-ties than matching dtypes give (engine and trainer dtypes differ?); replay "
+            "keeps training on the engine's routing either way",
+            figures,
+        )
+    return Check(
+        "routing-parity", "Passed", f"every scored token replayed the engine's routing; {said}", figures
+    )
 
 
 def _float(value: Any, default: float = float("nan")) -> float:

@@ -316,3 +316,60 @@ class RouterReplayer:
         for instance in self._instances():
             instance.clear_indices()
             instance.clear_router_replay_action()
+
+
+class RoutingAgreement:
+    """Routing parity, measured: per (token, MoE layer) of the forwards it watches, whether the experts the
+    router used (under replay, the engine's) are the experts the router's own logits choose.
+
+    Replay makes the trainer route as the engine did; this checks that what the engine recorded is what
+    these weights route to: a row recorded for another token, another layer or another model, or a replay
+    that did not reach a router, shows as disagreement (near-ties between a bf16 engine and this trainer do
+    too, a little). Each watched forward counts only the positions `mask` says were recorded (bool
+    [S*B] in megatron's sequence-major token order, this rank's slice under sequence parallelism).
+    Use it around forwards without recomputation (scoring), where each router runs once per forward.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._routers = [m for m in unwrap(model).modules() if isinstance(m, TopKRouter)]
+        self._handles: list[Any] = []
+        self.mask: torch.Tensor | None = None
+        self.agreeing = 0
+        self.counted = 0
+
+    def __enter__(self) -> RoutingAgreement:
+        self._handles = [router.register_forward_hook(self._observe) for router in self._routers]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _observe(self, router: Any, inputs: tuple[torch.Tensor, ...], output: Any) -> None:
+        if self.mask is None:
+            return
+        _, routing_map = output
+        k = router.topk
+        with torch.no_grad():
+            logits = router.gating(inputs[0]).reshape(routing_map.shape[0], -1)
+            own = logits.topk(k, dim=-1).indices.sort(dim=-1).values
+            used = routing_map.to(torch.int8).topk(k, dim=-1).indices.sort(dim=-1).values
+            agree = (own == used).all(dim=-1) & (routing_map.sum(dim=-1) == k)
+            mask = self.mask.to(agree.device)
+            if mask.shape != agree.shape:
+                raise ReplayError(
+                    f"routing agreement: a mask of {tuple(mask.shape)} positions for a router that saw "
+                    f"{tuple(agree.shape)} tokens"
+                )
+            self.agreeing += int((agree & mask).sum())
+            self.counted += int(mask.sum())
+
+
+def local_token_mask(covered: torch.Tensor, *, tensor_rank: int, tensor_size: int) -> torch.Tensor:
+    """A micro-batch's [B, S] position mask in megatron's token order (s·B + b), this rank's share of the
+    sequence under sequence parallelism: the order the routers see tokens in."""
+    rows, width = covered.shape
+    order = covered.t().reshape(width * rows)
+    share = order.shape[0] // tensor_size
+    return order[tensor_rank * share : (tensor_rank + 1) * share]

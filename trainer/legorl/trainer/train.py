@@ -53,12 +53,25 @@ class ScoredBatch:
     """[N] float32 log-probs the engine recorded for the same tokens."""
     replayed: torch.Tensor
     """[N] bool: the token's routing was replayed from the rollout."""
+    routing_agreeing: int = 0
+    """Recorded (position, MoE layer) pairs where the experts used under replay are those the trainer's
+    router chooses itself (`replay.RoutingAgreement`), over every position of the scored sequences."""
+    routing_compared: int = 0
+    """Recorded (position, MoE layer) pairs compared (0: no routing was replayed)."""
 
     def fidelity(self) -> dict[str, float]:
-        """Rollout vs. training agreement over these tokens (`loss.fidelity_stats`) and the replayed share."""
+        """Rollout vs. training agreement over these tokens (`loss.fidelity_stats`), the replayed share and
+        routing parity (`routing_agreement`: NaN when no routing was compared)."""
         ones = torch.ones_like(self.train_logprobs)
         stats = loss.fidelity_stats(self.train_logprobs[None], self.behavior_logprobs[None], ones[None])
-        return {**stats, "replayed_share": float(self.replayed.float().mean()), "tokens": float(ones.numel())}
+        agreement = self.routing_agreeing / self.routing_compared if self.routing_compared else math.nan
+        return {
+            **stats,
+            "replayed_share": float(self.replayed.float().mean()),
+            "tokens": float(ones.numel()),
+            "routing_agreement": agreement,
+            "routing_compared": float(self.routing_compared),
+        }
 
 
 def resolve_device(settings: TrainerSettings) -> torch.device:
@@ -142,6 +155,8 @@ class PolicyTrainer:
         if self.replay_enabled:
             replay.check_replay_active(self.model, self.arch)
         self.replayer = replay.RouterReplayer(self.model)
+        self._agreement: replay.RoutingAgreement | None = None
+        """Set while `score()` measures routing parity; `_stage_forward` gives it each micro-batch's mask."""
         self.columns = replay.stage_columns(self.model, self.arch) if self.arch.is_moe else []
         self.named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named]
@@ -251,6 +266,10 @@ class PolicyTrainer:
     def _stage_forward(self, net: torch.nn.Module, micro: _Micro) -> torch.Tensor:
         """This stage's forward of `micro`: vocabulary-split logits [B, S, V/TP] on the last stage, the
         activations to hand on elsewhere."""
+        if self._agreement is not None:
+            self._agreement.mask = replay.local_token_mask(
+                micro.covered, tensor_rank=self.ranks.tensor_rank, tensor_size=self.ranks.tensor_size
+            )
         if net is self.model and self.replay_enabled:
             if micro.replay is not None:
                 self.replayer.replay(micro.replay)
@@ -324,8 +343,20 @@ class PolicyTrainer:
     @torch.no_grad()
     def score(self, micros: Sequence[_Micro], sequences: Sequence[data.TrainSequence]) -> ScoredBatch:
         """Training log-probs (with replay when enabled) of the micro-batches' loss tokens; no update. The
-        same ScoredBatch on every rank (tokens in (trial, segment) order)."""
-        records = self._token_records(micros, self._forward_logprobs(micros), sequences)
+        same ScoredBatch on every rank (tokens in (trial, segment) order). With replay on, it also measures
+        routing parity (`replay.RoutingAgreement`, summed over every rank)."""
+        counts = torch.zeros(2, dtype=torch.int64)
+        if self.replay_enabled:
+            with replay.RoutingAgreement(self.model) as agreement:
+                self._agreement = agreement
+                try:
+                    logps = self._forward_logprobs(micros)
+                finally:
+                    self._agreement = None
+            counts = parallel.all_reduce_cpu(torch.tensor([agreement.agreeing, agreement.counted]))
+        else:
+            logps = self._forward_logprobs(micros)
+        records = self._token_records(micros, logps, sequences)
         gathered = parallel.gather_objects(records)
         scored = None
         if gathered is not None:
@@ -338,6 +369,8 @@ class PolicyTrainer:
                     np.concatenate([r.behavior[r.mask] for r in ordered] or [np.zeros(0, np.float32)])
                 ),
                 torch.from_numpy(np.concatenate([r.covered[r.mask] for r in ordered] or [np.zeros(0, bool)])),
+                routing_agreeing=int(counts[0]),
+                routing_compared=int(counts[1]),
             )
         shared: ScoredBatch = parallel.broadcast(scored)
         return shared
