@@ -7,8 +7,9 @@
 What it checks and prints (JSON lines, and a summary table at the end):
 1. Equivalence on the device: transformers vs. the Megatron model on the same weights, fp32 and bf16, with
    the allgather and the alltoall token dispatcher (max |Δ logit|, argmax agreement).
-2. Routing replay on the device: routing recorded in bf16, router weights perturbed, replay keeps 100% of
-   the recorded experts (and how many change without it); replay under full recomputation.
+2. Routing replay on the device: routing recorded in bf16, router weights perturbed; the share of recorded
+   experts the perturbed routers use with replay (read from their routing maps: 1.0) and without it; replay
+   under full recomputation.
 3. Fidelity in bf16 at a realistic size: bf16 rollout (sampled, routing recorded) vs. fp32 and bf16
    recompute with replay on and off.
 4. Train-step throughput in bf16 with the alltoall dispatcher: tokens/s with and without replay, with and
@@ -281,11 +282,22 @@ def check_replay(model_dir: Path, size: dict[str, Any], device: torch.device) ->
         free = replayer.recorded()
         replayer.clear()
         kept_free = _kept_share(recorded, free)
-        # Replay forward + backward; read the routing the forward used back through RECORD is not
-        # possible while replaying, so compare the loss/grad of replay against a model whose routers
-        # were never perturbed (same routing by construction) instead.
+        # Replay forward + backward on the perturbed routers. The experts each router actually used come from
+        # its output (the routing map), read by a forward hook in the forward (not in the recomputation).
+        used: list[torch.Tensor] = []
+        hooks = [
+            m.register_forward_hook(
+                lambda mod, _inp, out, used=used: used.append(
+                    out[1].to(torch.int8).topk(mod.topk, dim=-1).indices
+                )
+            )
+            for m in net.modules()
+            if type(m).__name__ == "TopKRouter"
+        ]
         replayer.replay(recorded)
         logits = model.forward_logits(net, ids)
+        for hook in hooks:
+            hook.remove()
         lossv = logits.float().logsumexp(-1).mean()
         replayer.before_backward()
         torch.autograd.backward(lossv)
@@ -294,6 +306,7 @@ def check_replay(model_dir: Path, size: dict[str, Any], device: torch.device) ->
             "routing_replay",
             recompute=recompute,
             kept_experts_without_replay=kept_free,
+            kept_experts_with_replay=_kept_share(recorded, used),
             loss_with_replay=float(lossv.detach()),
             grad_finite=all(
                 bool(torch.isfinite(p.grad).all()) for p in net.parameters() if p.grad is not None
