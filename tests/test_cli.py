@@ -320,3 +320,18 @@ def test_progress_line_says_when_the_fidelity_guard_fired() -> None:
         run="x", fidelity_correlation=0.5, fidelity_below_steps=3, degraded_reason="FidelityBelowThreshold"
     )
     assert "DEGRADED: FidelityBelowThreshold (3 step(s))" in format_progress(fired)
+
+
+def test_the_readme_cli_table_lists_every_command_and_no_promise() -> None:
+    """README.md describes the product as it is: every `legorl` subcommand has a row in its CLI reference,
+    and no sentence promises what a later issue will add."""
+    import argparse  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme[readme.index("## CLI reference") :]
+    table = table[: table.index("\n## ")]
+    rows = set(re.findall(r"^\| `legorl (\w+)", table, re.MULTILINE))
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) - rows == set()
+    assert not re.search(r"\bnext issue\b|\bafter the [\w-]+ issue\b", readme, re.IGNORECASE)
