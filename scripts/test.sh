@@ -21,6 +21,15 @@ bash scripts/get-helm.sh .cache/tools
 export PATH="$PWD/.venv/bin:$PATH"
 export LEGORL_HELM="$PWD/.cache/tools/bin/helm"
 
+step "what the product writes is left alone (a seeded .legorl/ tree)"
+# legorl run and the quick start write under .legorl/ (including copies of installed packages in their
+# sandboxes' task env): the linters, the type checker and pytest must not see it. A probe that breaks all
+# three sits there while they run.
+probe=.legorl/ci-probe
+mkdir -p "$probe"
+printf 'import os, sys\nx: int = "not an int"\ndef test_probe():\n    assert False\n' > "$probe/test_probe.py"
+trap 'rm -rf "$probe"' EXIT
+
 step "ruff (lint and format)"
 ruff check .
 ruff format --check .
