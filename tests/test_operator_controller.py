@@ -1278,3 +1278,36 @@ def test_store_and_task_set_uris_resolve_inside_the_operator(tmp_path: Path) -> 
     assert resolve_uri("pvc://rl-store/runs/default/r", settings) == str(tmp_path / "rl-store/runs/default/r")
     assert resolve_uri("file:///var/lib/legorl/r", settings) == "/var/lib/legorl/r"
     assert resolve_uri("s3://bucket/r", settings) == "s3://bucket/r"
+
+
+@pytest.mark.parametrize("loop_state", ["closed", "stopped"])
+def test_api_calls_against_a_gone_loop_leave_no_coroutine_unawaited(loop_state: str) -> None:
+    """The run controller's thread calls the API through the operator's event loop. When the loop has
+    closed (the operator stopped) or no longer runs, the call fails with a BackendError and the coroutine
+    it made is closed, never left to the garbage collector un-awaited (which surfaced as a
+    `PytestUnraisableExceptionWarning` in whatever test ran next)."""
+    import gc  # noqa: PLC0415
+    import warnings  # noqa: PLC0415
+
+    from legorl.controller.backend import BackendError  # noqa: PLC0415
+    from legorl.operator.trials import LoopApi  # noqa: PLC0415
+
+    loop = asyncio.new_event_loop()
+    if loop_state == "closed":
+        loop.close()
+    settings = TrialSettings(api_timeout_seconds=0.2, api_retry_seconds=0.5)
+
+    class Client:
+        async def get(self, kind: str, namespace: str, name: str) -> None:
+            return None
+
+    api = LoopApi(loop, Client, settings)  # type: ignore[arg-type]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(BackendError):
+            api.get("Pod", "ns", "p")
+        if loop_state == "stopped":
+            loop.close()
+        gc.collect()
+    never_awaited = [str(w.message) for w in caught if "was never awaited" in str(w.message)]
+    assert never_awaited == []

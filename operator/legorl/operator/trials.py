@@ -187,9 +187,15 @@ class LoopApi:
             async def invoke() -> T:
                 return await fn(self.client())
 
+            if self.loop.is_closed() or not self.loop.is_running():
+                # The operator is gone or stopping: nothing would ever run the call.
+                state = "closed" if self.loop.is_closed() else "not running"
+                raise BackendError(f"{what}: the operator's event loop is {state}")
+            call = invoke()
             try:
-                future = asyncio.run_coroutine_threadsafe(invoke(), self.loop)
-            except RuntimeError as exc:  # the loop is closed: the operator is gone
+                future = asyncio.run_coroutine_threadsafe(call, self.loop)
+            except RuntimeError as exc:  # closed in between: the operator is gone
+                call.close()  # never scheduled: close it here, not un-awaited in the garbage collector
                 raise BackendError(f"{what}: the operator's event loop is closed") from exc
             try:
                 return future.result(self.settings.api_timeout_seconds)
@@ -199,6 +205,10 @@ class LoopApi:
                 problem = str(exc)
             except concurrent.futures.TimeoutError:
                 future.cancel()
+                if not self.loop.is_running():
+                    # The loop stopped with the call still queued: it will never run it.
+                    call.close()
+                    raise BackendError(f"{what}: the operator's event loop stopped") from None
                 problem = f"no answer in {self.settings.api_timeout_seconds:.0f}s"
             except Exception as exc:  # not logged in yet (TransientError), connection trouble
                 if isinstance(exc, concurrent.futures.CancelledError):
