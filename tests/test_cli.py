@@ -44,7 +44,7 @@ def test_validate_reports_every_problem_with_location(run_cli: Cli, tmp_path: Pa
     assert "spec.harness.maxTurn: unknown field 'maxTurn'; did you mean 'maxTurns'?" in text
     assert 'spec.algorithm.learningRate: must be a string; quote the number: "0.0005"' in text
     # CEL problems are reported even while schema problems exist, where the rule can run.
-    assert "spec.algorithm.groupSize: GRPO and GSPO compare trials within a group" in text
+    assert "spec.algorithm.groupSize: every algorithm here takes its baseline from the trial's group" in text
     assert out.splitlines()[-1] == "1 document(s): 3 error(s), 0 warning(s)"
 
 

@@ -51,6 +51,14 @@ def test_base_is_clean() -> None:
             "not pinned",
         ),
         (
+            # Accepted by the API and CEL, refused by the trainer at start: preflight says so first.
+            "      maxTokensPerTurn: 128",
+            '      maxTokensPerTurn: 128\n      topP: "0.9"',
+            "error",
+            "spec.algorithm.sampling.topP",
+            "nucleus truncation would bias every importance weight",
+        ),
+        (
             "    miniBatches: 2 ",
             "    miniBatches: 17 ",
             "error",

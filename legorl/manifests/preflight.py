@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from typing import Any
 
 from pydantic import BaseModel
@@ -146,6 +147,16 @@ def check_run_settings(res: Resource) -> Iterator[Problem]:
             "warning",
             "spec.harness.command",
             "no {prompt} placeholder: the harness will not receive the task text on its command line",
+            "preflight",
+        )
+    if spec.mode == "Train" and Decimal(algo.sampling.top_p) != 1:
+        # The trainer refuses it at start (legorl.trainer.settings): say so before launch.
+        yield Problem(
+            "error",
+            "spec.algorithm.sampling.topP",
+            f"topP {algo.sampling.top_p}: the trainer computes log-probs of the whole temperature-scaled "
+            "distribution, so nucleus truncation would bias every importance weight; set topP to 1.0 to "
+            "train (Evaluate runs may truncate)",
             "preflight",
         )
     if spec.fleet is not None:
