@@ -1,12 +1,15 @@
 """Benchmark: the operator reconciling N RLRuns, each with its fleet and pool, against a naive baseline.
 
-Two variants, measured one after the other in the same run under the same conditions, each against a
+Three variants, measured one after the other in the same run under the same conditions, each against a
 fresh API mock (`tests/kubeapi.py`, served from a process of its own, as a real API server would be):
 
 - optimized: `Reconciler` as shipped: apply only children whose desired-state hash changed, patch the
   status only when it changed, read observed state from the watch-fed `Store`;
+- simple: the strongest simple baseline: server-side apply of every child on every pass and a status
+  patch every time, with no reads (server-side apply needs none) and no change detection;
 - naive: the same class with three methods overridden: every reconcile GETs the object and every
-  desired child from the API, re-applies every child, and always patches the status.
+  desired child from the API, re-applies every child, and always patches the status (the GETs are what
+  a read-modify-write controller does; server-side apply does not need them).
 
 Two drivers run the variant's reconciler with the real `KubeClient` over HTTP:
 
@@ -26,6 +29,7 @@ Phases, per variant:
    is re-applied on purpose, to repair drift that the hash annotation cannot see.
 
 Usage: python benchmarks/bench_operator.py [--runs 500] [--passes 1] [--resync-passes 1] [--driver direct]
+Results: `benchmarks/results/bench_operator.json` (`--out`).
 """
 
 from __future__ import annotations
@@ -129,7 +133,35 @@ class NaiveReconciler(Reconciler):
         await self._post_transitions(body, old.get("conditions") or [], status.get("conditions") or [])
 
 
-VARIANTS: dict[str, type[Reconciler]] = {"optimized": Reconciler, "naive": NaiveReconciler}
+@dataclass
+class SimpleReconciler(Reconciler):
+    """The strongest simple baseline: apply every desired child and patch the status on every reconcile,
+    reading nothing from the API (server-side apply needs no prior GET) and comparing nothing."""
+
+    async def _sync_children(
+        self, key: ObjectKey, desired: list[dict[str, Any]], observed: Observed
+    ) -> list[str]:
+        namespace = key[1]
+        wanted = set()
+        for obj in desired:
+            wanted.add((obj["kind"], obj["metadata"]["name"]))
+            await self.client.apply(obj)
+        for kind, name in list(observed.children):
+            if (kind, name) not in wanted:
+                await self.client.delete(kind, namespace, name)
+        return []
+
+    async def _write_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+        await NaiveReconciler._write_status(self, body, status)  # type: ignore[arg-type]
+
+
+VARIANTS: dict[str, type[Reconciler]] = {
+    "optimized": Reconciler,
+    "simple": SimpleReconciler,
+    "naive": NaiveReconciler,
+}
+BASELINES = ("simple", "naive")
+RESULTS = REPO / "benchmarks" / "results" / "bench_operator.json"
 
 
 # --- the workload --------------------------------------------------------------------------------------
@@ -547,7 +579,7 @@ async def _phases(
     noop = [await one_pass(full=False) for _ in range(args.passes)]
     # The naive reconciler ignores the resync period (it re-applies everything every time): its resync
     # pass is its no-op pass again, and at N=500 it would add a minute and a half for no new figure.
-    resync = [await one_pass(full=True) for _ in range(args.resync_passes if name != "naive" else 0)]
+    resync = [await one_pass(full=True) for _ in range(args.resync_passes if name not in BASELINES else 0)]
     if not await converged():
         raise RuntimeError(f"[{name}] the steady-state passes undid convergence")
     return Result(name, total, converge, noop, resync, [])
@@ -570,21 +602,42 @@ def _ratio(naive: float, optimized: float) -> str:
     return f"{naive / optimized:.1f}x"
 
 
-def report(opt: Result, naive: Result, args: argparse.Namespace, per_kind: dict[str, int]) -> None:
-    n = opt.objects
-    rows: list[tuple[str, float, float, str]] = [
-        ("converge: seconds", opt.converge.seconds, naive.converge.seconds, "{:.1f}"),
-        ("converge: to the last request", opt.converge.busy_seconds, naive.converge.busy_seconds, "{:.1f}"),
-        ("converge: requests", opt.converge.requests, naive.converge.requests, "{:.0f}"),
-        ("converge: requests / object", opt.converge.requests / n, naive.converge.requests / n, "{:.2f}"),
-    ]
-    for label, get in (("no-op", "noop_passes"), ("resync", "resync_passes")):
-        a, b = getattr(opt, get), getattr(naive, get) or naive.noop_passes
-        if a:
-            rows += [
-                (f"{label} pass: requests / object", _mean_requests(a, n), _mean_requests(b, n), "{:.2f}"),
-                (f"{label} pass: seconds", _mean_seconds(a), _mean_seconds(b), "{:.2f}"),
-            ]
+def _figures(result: Result) -> dict[str, float]:
+    n = result.objects
+    out = {
+        "converge_seconds": result.converge.seconds,
+        "converge_busy_seconds": result.converge.busy_seconds,
+        "converge_requests": float(result.converge.requests),
+        "converge_requests_per_object": result.converge.requests / n,
+    }
+    # A baseline that ignores the resync period re-applies every time: its resync pass is its no-op pass.
+    for label, phases in (
+        ("noop", result.noop_passes),
+        ("resync", result.resync_passes or result.noop_passes),
+    ):
+        if phases:
+            out[f"{label}_requests_per_object"] = _mean_requests(phases, n)
+            out[f"{label}_seconds"] = _mean_seconds(phases)
+    return out
+
+
+ROWS = (
+    ("converge: seconds", "converge_seconds", "{:.1f}"),
+    ("converge: to the last request", "converge_busy_seconds", "{:.1f}"),
+    ("converge: requests", "converge_requests", "{:.0f}"),
+    ("converge: requests / object", "converge_requests_per_object", "{:.2f}"),
+    ("no-op pass: requests / object", "noop_requests_per_object", "{:.2f}"),
+    ("no-op pass: seconds", "noop_seconds", "{:.2f}"),
+    ("resync pass: requests / object", "resync_requests_per_object", "{:.2f}"),
+    ("resync pass: seconds", "resync_seconds", "{:.2f}"),
+)
+
+
+def report(results: list[Result], args: argparse.Namespace, per_kind: dict[str, int]) -> dict[str, Any]:
+    """Print the table and return what goes into the results file."""
+    by_name = {r.name: r for r in results}
+    figures = {r.name: _figures(r) for r in results}
+    n = results[0].objects
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print()
     print(
@@ -593,13 +646,18 @@ def report(opt: Result, naive: Result, args: argparse.Namespace, per_kind: dict[
     )
     print(f"python {platform.python_version()}, {cpus} CPU(s); mock in its own process")
     print()
-    print(f"{'':36} {'optimized':>10} {'naive':>10} {'naive/opt':>10}")
-    for label, a_value, b_value, fmt in rows:
-        cells = f"{fmt.format(a_value):>10} {fmt.format(b_value):>10} {_ratio(b_value, a_value):>10}"
-        print(f"{label:36} {cells}")
-    if opt.resync_passes and not naive.resync_passes:
-        print("(naive resync pass = its no-op pass: it ignores the resync period and re-applies every time)")
-    for result in (opt, naive):
+    names = list(figures)
+    header = "".join(f"{name:>11}" for name in names) + "".join(f"{b + '/opt':>12}" for b in BASELINES)
+    print(f"{'':32}{header}")
+    for label, key, fmt in ROWS:
+        if key not in figures["optimized"]:
+            continue
+        cells = "".join(f"{fmt.format(figures[name].get(key, float('nan'))):>11}" for name in names)
+        ratios = "".join(
+            f"{_ratio(figures[b].get(key, 0.0), figures['optimized'][key]):>12}" for b in BASELINES
+        )
+        print(f"{label:32}{cells}{ratios}")
+    for result in results:
         print()
         verbs = sorted((v, c) for v, c in result.converge.verbs.items() if v != "WATCH")
         shown = ", ".join(f"{v} {c / n:.2f}" for v, c in verbs)
@@ -607,17 +665,25 @@ def report(opt: Result, naive: Result, args: argparse.Namespace, per_kind: dict[
         top = [(k, c) for k, c in result.converge.resources.most_common() if not k.startswith("WATCH")]
         for key, count in top[: args.top]:
             print(f"  {count:>7}  {count / n:5.2f}/object  {key}")
-        for label, phases in (("no-op", result.noop_passes), ("resync", result.resync_passes)):
-            for phase in phases:
-                shown = ", ".join(f"{v} {c}" for v, c in sorted(phase.verbs.items()) if v != "WATCH")
-                print(f"{result.name}, {label} pass: {phase.seconds:.2f}s, requests: {shown or 'none'}")
         if result.errors:
             print(f"{result.name}: {len(result.errors)} error(s) logged, the first: {result.errors[0]}")
     print()
-    print(
-        "Machines here are noisy and shared: compare the naive/opt ratios, both measured in this run, "
-        "not absolute seconds across runs."
-    )
+    print("Compare the ratios, all measured in this run, not absolute seconds across runs.")
+    return {
+        "benchmark": "bench_operator",
+        "command": "python benchmarks/bench_operator.py " + " ".join(args.argv),
+        "driver": args.driver,
+        "runs": args.runs,
+        "objects": n,
+        "cpus": cpus,
+        "python": platform.python_version(),
+        "variants": figures,
+        "converge_verbs_per_object": {
+            name: {v: c / n for v, c in sorted(r.converge.verbs.items()) if v != "WATCH"}
+            for name, r in by_name.items()
+        },
+        "errors": {name: len(r.errors) for name, r in by_name.items()},
+    }
 
 
 async def amain(args: argparse.Namespace) -> None:
@@ -630,7 +696,11 @@ async def amain(args: argparse.Namespace) -> None:
     expected = expected_children(args.docs, make_reconciler(settings).ctx)
     per_kind = {d["kind"]: len(expected[owner_key(d["kind"], d["metadata"]["name"])]) for d in args.docs[:3]}
     results = [await measure(name, args.docs, expected, settings, args) for name in VARIANTS]
-    report(results[0], results[1], args, per_kind)
+    out = report(results, args, per_kind)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.out}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -644,7 +714,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quiet", type=float, default=1.5, help="seconds without a request ending a phase")
     parser.add_argument("--timeout", type=float, default=900.0, help="give up on a phase after this long")
     parser.add_argument("--top", type=int, default=6, help="resources shown per variant")
-    asyncio.run(amain(parser.parse_args(argv)))
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results file (JSON)")
+    args = parser.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
+    asyncio.run(amain(args))
 
 
 if __name__ == "__main__":
