@@ -52,7 +52,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import kopf
@@ -89,26 +89,20 @@ Expected = dict[str, set[tuple[str, str]]]
 """Owner label value → the (kind, name) of every child the renderers produce for it."""
 
 
-# --- the naive baseline --------------------------------------------------------------------------------
+# --- the baselines -------------------------------------------------------------------------------------
 
 
 @dataclass
-class NaiveReconciler(Reconciler):
-    """A controller with no trust in its watch cache and no change detection (the baseline).
+class SimpleReconciler(Reconciler):
+    """The strongest simple baseline: apply every desired child and patch the status on every reconcile,
+    reading nothing from the API (server-side apply needs no prior GET) and comparing nothing.
 
-    Every reconcile GETs the object, GETs every desired child and re-applies it, and patches the status
-    even when it is unchanged. It still reads children's *state* from the watch-fed store for the
-    status computation, so both variants compute the same statuses and create the same children.
+    It still reads children's *state* from the watch-fed store for the status computation, so every
+    variant computes the same statuses and creates the same children.
     """
 
-    async def reconcile(self, key: ObjectKey) -> None:
-        kind, namespace, name = key
-        if self.store.objects.get(key) is not None:
-            fresh = await self.client.get(kind, namespace, name)
-            if fresh is None:
-                return
-            self.store.objects[key] = fresh
-        await super().reconcile(key)
+    read_back: ClassVar[bool] = False
+    """GET each child before applying it (the naive baseline)."""
 
     async def _sync_children(
         self, key: ObjectKey, desired: list[dict[str, Any]], observed: Observed
@@ -118,7 +112,8 @@ class NaiveReconciler(Reconciler):
         for obj in desired:
             kind, name = obj["kind"], obj["metadata"]["name"]
             wanted.add((kind, name))
-            await self.client.get(kind, namespace, name)  # read it back, whatever the watch says
+            if self.read_back:
+                await self.client.get(kind, namespace, name)  # read it back, whatever the watch says
             await self.client.apply(obj)
         for kind, name in list(observed.children):
             if (kind, name) not in wanted:
@@ -134,25 +129,20 @@ class NaiveReconciler(Reconciler):
 
 
 @dataclass
-class SimpleReconciler(Reconciler):
-    """The strongest simple baseline: apply every desired child and patch the status on every reconcile,
-    reading nothing from the API (server-side apply needs no prior GET) and comparing nothing."""
+class NaiveReconciler(SimpleReconciler):
+    """A controller with no trust in its watch cache and no change detection: the simple baseline that
+    also GETs the object and every desired child before each reconcile and apply."""
 
-    async def _sync_children(
-        self, key: ObjectKey, desired: list[dict[str, Any]], observed: Observed
-    ) -> list[str]:
-        namespace = key[1]
-        wanted = set()
-        for obj in desired:
-            wanted.add((obj["kind"], obj["metadata"]["name"]))
-            await self.client.apply(obj)
-        for kind, name in list(observed.children):
-            if (kind, name) not in wanted:
-                await self.client.delete(kind, namespace, name)
-        return []
+    read_back: ClassVar[bool] = True
 
-    async def _write_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
-        await NaiveReconciler._write_status(self, body, status)  # type: ignore[arg-type]
+    async def reconcile(self, key: ObjectKey) -> None:
+        kind, namespace, name = key
+        if self.store.objects.get(key) is not None:
+            fresh = await self.client.get(kind, namespace, name)
+            if fresh is None:
+                return
+            self.store.objects[key] = fresh
+        await super().reconcile(key)
 
 
 VARIANTS: dict[str, type[Reconciler]] = {

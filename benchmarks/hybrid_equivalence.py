@@ -222,14 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows[name] = layouts.compare(one, got)
                 print(name, rows[name], flush=True)
             report["layouts_float64"] = rows
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"],  # noqa: S607 - git from PATH, as a developer runs it
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    report["commit"] = commit.stdout.strip()
+    report["commit"] = layouts.git_commit()
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

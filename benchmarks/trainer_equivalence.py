@@ -72,6 +72,18 @@ def launch(
     return result
 
 
+def git_commit() -> str:
+    """The repository's HEAD, for the results file ("" outside a git checkout)."""
+    done = subprocess.run(
+        ["git", "rev-parse", "HEAD"],  # noqa: S607 - git from PATH, as a developer runs it
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip()
+
+
 def delta(a: dict[Any, torch.Tensor], b: dict[Any, torch.Tensor]) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
@@ -136,14 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             floor = launch(1, floor_args, tiny=tiny, template=template, root=root, name=f"floor-{dtype}")
             rows["one rank, other micro-batch size (noise floor)"] = compare(one, floor)
             report[dtype] = rows
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"],  # noqa: S607 - git from PATH, as a developer runs it
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    report["git_commit"] = commit.stdout.strip()
+    report["git_commit"] = git_commit()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -227,20 +227,8 @@ class MoeArchitecture:
             top_k = _require(config, "num_experts_per_tok", int, where)
             moe_ffn = _require(config, "moe_intermediate_size", int, where)
             norm_topk = _require(config, "norm_topk_prob", bool, where)
-            mlp_only = config.get("mlp_only_layers") or []
-            step = config.get("decoder_sparse_step", 1)
-            if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-                raise ModelConfigError(f"{where}: decoder_sparse_step={step!r} must be an integer >= 1")
-            if not isinstance(mlp_only, list) or not all(
-                isinstance(i, int) and 0 <= i < num_layers for i in mlp_only
-            ):
-                raise ModelConfigError(
-                    f"{where}: mlp_only_layers={mlp_only!r} must list layer indices in [0, {num_layers})"
-                )
-            # transformers' Qwen3MoeDecoderLayer rule.
-            moe_layers = tuple(
-                i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
-            )
+            # (num_experts < 1 is refused just below, whatever the layers.)
+            moe_layers = _sparse_layers(config, num_layers, where)
             if num_experts < 1 or not 1 <= top_k <= num_experts:
                 raise ModelConfigError(
                     f"{where}: num_experts_per_tok={top_k} must be between 1 and the number of experts "
@@ -269,6 +257,22 @@ class MoeArchitecture:
             moe_layers=moe_layers,
             model_type=str(model_type),
         )
+
+
+def _sparse_layers(config: Mapping[str, Any], num_layers: int, where: str) -> tuple[int, ...]:
+    """The MoE layers by transformers' Qwen3-MoE / Qwen3-Next decoder-layer rule: every
+    `decoder_sparse_step`-th layer that `mlp_only_layers` does not keep dense."""
+    mlp_only = config.get("mlp_only_layers") or []
+    step = config.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ModelConfigError(f"{where}: decoder_sparse_step={step!r} must be an integer >= 1")
+    if not isinstance(mlp_only, list) or not all(
+        isinstance(i, int) and 0 <= i < num_layers for i in mlp_only
+    ):
+        raise ModelConfigError(
+            f"{where}: mlp_only_layers={mlp_only!r} must list layer indices in [0, {num_layers})"
+        )
+    return tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
 
 
 def _positive(config: Mapping[str, Any], key: str, where: str) -> int:
@@ -361,17 +365,7 @@ def _parse_hybrid(outer: Mapping[str, Any], where: str) -> MoeArchitecture:
     if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
         raise ModelConfigError(f"{where}: shared_expert_intermediate_size={shared!r} must be an integer >= 0")
     if model_type == "qwen3_next":
-        mlp_only = config.get("mlp_only_layers") or []
-        step = config.get("decoder_sparse_step", 1)
-        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            raise ModelConfigError(f"{where}: decoder_sparse_step={step!r} must be an integer >= 1")
-        if not isinstance(mlp_only, list) or not all(
-            isinstance(i, int) and 0 <= i < num_layers for i in mlp_only
-        ):
-            raise ModelConfigError(
-                f"{where}: mlp_only_layers={mlp_only!r} must list layer indices in [0, {num_layers})"
-            )
-        moe_layers = tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
+        moe_layers = _sparse_layers(config, num_layers, where)
         norm_topk = _require(config, "norm_topk_prob", bool, where)
         ffn = _require(config, "intermediate_size", int, where)
     else:

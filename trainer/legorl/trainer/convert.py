@@ -353,38 +353,30 @@ def _layer_rules(
                 ),
             ]
         if arch.shared_expert_ffn_hidden_size:
-            shared = h + "mlp.shared_expert."
-            rules += [
-                _Rule(
-                    m + "mlp.shared_experts.linear_fc1.weight",
-                    (shared + "gate_proj.weight", shared + "up_proj.weight"),
-                    _concat,
-                    _split_halves,
-                    split="gate_up",
-                ),
-                _Rule(
-                    m + "mlp.shared_experts.linear_fc2.weight",
-                    (shared + "down_proj.weight",),
-                    _same,
-                    _one,
-                    split="cols",
-                ),
+            rules += _swiglu_rules(m + "mlp.shared_experts.", h + "mlp.shared_expert.")
+            rules.append(
                 _Rule(
                     m + "mlp.shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), _same, _one
-                ),
-            ]
+                )
+            )
     else:
-        rules += [
-            _Rule(
-                m + "mlp.linear_fc1.weight",
-                (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-                _concat,
-                _split_halves,
-                split="gate_up",
-            ),
-            _Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), _same, _one, split="cols"),
-        ]
+        rules += _swiglu_rules(m + "mlp.", h + "mlp.")
     return rules
+
+
+def _swiglu_rules(m: str, h: str) -> list[_Rule]:
+    """A dense SwiGLU MLP (a dense layer's, or the shared expert): megatron `{m}linear_fc1` is HF's
+    `{h}gate_proj` rows then `{h}up_proj` rows, `{m}linear_fc2` is `{h}down_proj`."""
+    return [
+        _Rule(
+            m + "linear_fc1.weight",
+            (h + "gate_proj.weight", h + "up_proj.weight"),
+            _concat,
+            _split_halves,
+            split="gate_up",
+        ),
+        _Rule(m + "linear_fc2.weight", (h + "down_proj.weight",), _same, _one, split="cols"),
+    ]
 
 
 def _rules(arch: MoeArchitecture, model: torch.nn.Module) -> list[_Rule]:
