@@ -875,10 +875,9 @@ def save_hf_checkpoint(
     if not (source / "config.json").is_file():
         raise ConversionError(f"{source}: no config.json to copy; source_dir must be the HF checkpoint")
     tensors = export_hf_state_dict(model, arch)
-    carried = untrained_tensors(arch, hf_tensor_locations(source)) if arch.untrained_prefixes else []
-    if carried:
+    if arch.untrained_prefixes:
         locations = hf_tensor_locations(source)
-        for name in carried:
+        for name in untrained_tensors(arch, locations):
             with safe_open(str(locations[name]), framework="pt") as f:
                 tensors[name] = f.get_tensor(name)
     if dtype is not None:
