@@ -1,8 +1,10 @@
 """The whole local loop's throughput: trials per minute and where the time goes, Sync against Async.
 
-Runs `legorl run` (in-process, `EmbeddedRun`) twice on the same workload — the same manifest, tasks and
-seed — once with `schedule.mode: Sync` (the baseline) and once with `Async` (`maxStalenessSteps: 1`), each
-in a fresh run store with its own vLLM, and prints for each:
+Runs `legorl run` (in-process, `EmbeddedRun`) on the same workload — the same manifest, tasks and seed —
+with `schedule.mode: Sync` (the baseline) and with `Async` (`maxStalenessSteps: 1`), `--repeats` times
+each (default 3), interleaved in counterbalanced order (Sync Async, Async Sync, Sync Async, ...) so that a
+drift of the machine over the session (page cache, harness start times) falls on both modes alike. Each run
+has a fresh run store and its own vLLM. It prints for each run:
 
 - wall time of the loop (engine start excluded) and trials per minute;
 - the share of trial time per phase, summed over trials (they overlap): proxy start, sandbox setup, the
@@ -11,10 +13,11 @@ in a fresh run store with its own vLLM, and prints for each:
 - the trainer's time per step (train) and the weight sync's, as shares of the loop's wall time, and how
   long the controller waited for the trainer with nothing to run;
 
-then the Async/Sync ratio of trials per minute. Usage:
+then, per mode, the median and range of trials per minute over the repeats, and the Async/Sync ratio of
+the medians — called a difference only where the two modes' ranges do not overlap. Usage:
 
     python benchmarks/loop_throughput.py [--model builtin://tiny-swe] [--steps 3] [--tasks-per-step 2]
-        [--group-size 4] [--concurrency 4] [--out benchmarks/results/loop_throughput.json]
+        [--group-size 4] [--concurrency 4] [--repeats 3] [--out benchmarks/results/loop_throughput.json]
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from provenance import git_commit
 
 from legorl.api.kinds import RLRun
 from legorl.api.store import RunStore
@@ -144,6 +150,41 @@ def measure(args: argparse.Namespace, mode: str, root: Path) -> dict[str, Any]:
     }
 
 
+MODES = ("Sync", "Async")
+
+
+def run_order(repeats: int) -> list[tuple[int, str]]:
+    """(repeat, mode) in counterbalanced order: Sync Async, Async Sync, Sync Async, ..."""
+    order: list[tuple[int, str]] = []
+    for i in range(repeats):
+        order += [(i, m) for m in (MODES if i % 2 == 0 else tuple(reversed(MODES)))]
+    return order
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per mode: median and range of trials per minute (and of the harness's mean seconds per trial,
+    the phase that dominates a trial); the Async/Sync ratio of medians, and whether the two modes'
+    ranges are apart (only then is the ratio a difference rather than run-to-run spread)."""
+    per_mode: dict[str, Any] = {}
+    for mode in MODES:
+        rates = [r["trials_per_minute"] for r in results if r["mode"] == mode]
+        harness = [r["trial_seconds_mean"]["harness"] for r in results if r["mode"] == mode]
+        per_mode[mode] = {
+            "trials_per_minute": rates,
+            "median": statistics.median(rates),
+            "min": min(rates),
+            "max": max(rates),
+            "harness_seconds_per_trial": harness,
+        }
+    sync, asynchronous = per_mode["Sync"], per_mode["Async"]
+    apart = asynchronous["min"] > sync["max"] or sync["min"] > asynchronous["max"]
+    return {
+        "per_mode": per_mode,
+        "async_over_sync_median": asynchronous["median"] / sync["median"],
+        "ranges_apart": apart,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="builtin://tiny-swe")
@@ -151,33 +192,44 @@ def main() -> int:
     parser.add_argument("--tasks-per-step", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/loop_throughput.json")
     args = parser.parse_args()
+    if args.repeats < 2:
+        parser.error("--repeats must be at least 2: one run per mode has no spread to compare against")
     results = []
     with tempfile.TemporaryDirectory(prefix="loop-bench-") as tmp:
-        for mode in ("Sync", "Async"):
+        for repeat, mode in run_order(args.repeats):
             started = time.monotonic()
-            result = measure(args, mode, Path(tmp))
+            result = measure(args, mode, Path(tmp) / f"{mode}-{repeat}")
+            result["repeat"] = repeat
             result["total_seconds_with_engine_start"] = time.monotonic() - started
             results.append(result)
-            print(json.dumps(result, indent=1))
-    sync, asynchronous = results
-    ratio = asynchronous["trials_per_minute"] / sync["trials_per_minute"]
-    print(f"\n{'mode':<6} {'trials':>6} {'loop s':>7} {'trials/min':>10}  phase shares of trial time")
+            print(json.dumps(result, indent=1), flush=True)
+    summary = summarize(results)
+    print(
+        f"\n{'mode':<6} {'run':>3} {'trials':>6} {'loop s':>7} {'trials/min':>10}  phase shares of trial time"
+    )
     for r in results:
         shares = ", ".join(f"{k} {v:.0%}" for k, v in r["trial_time_share"].items())
         print(
-            f"{r['mode']:<6} {r['trials']:>6} {r['loop_seconds']:>7.0f} "
+            f"{r['mode']:<6} {r['repeat']:>3} {r['trials']:>6} {r['loop_seconds']:>7.0f} "
             f"{r['trials_per_minute']:>10.2f}  {shares}"
         )
         print(
-            f"{'':<6} train {r['train_share_of_wall']:.1%} of wall, sync {r['sync_share_of_wall']:.1%}, "
+            f"{'':<10} train {r['train_share_of_wall']:.1%} of wall, sync {r['sync_share_of_wall']:.1%}, "
             f"controller idle waiting for the trainer {r['waiting_for_trainer_share_of_wall']:.1%}"
         )
-    print(f"Async/Sync trials per minute: {ratio:.2f}x")
+    for mode, m in summary["per_mode"].items():
+        print(f"{mode}: trials/min median {m['median']:.2f} (range {m['min']:.2f}-{m['max']:.2f})")
+    ratio = summary["async_over_sync_median"]
+    if summary["ranges_apart"]:
+        print(f"Async/Sync trials per minute (medians): {ratio:.2f}x, beyond the run-to-run spread")
+    else:
+        print(f"Async/Sync medians {ratio:.2f}x, within the run-to-run spread: no difference shown")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
-        json.dumps({"args": vars(args), "results": results, "async_over_sync": ratio}, indent=1)
+        json.dumps({"args": vars(args), "git_commit": git_commit(), "results": results, **summary}, indent=1)
     )
     return 0
 

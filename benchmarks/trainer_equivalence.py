@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from provenance import git_commit
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,18 +71,6 @@ def launch(
         weights.update(load_file(str(f)))
     result["published"] = weights
     return result
-
-
-def git_commit() -> str:
-    """The repository's HEAD, for the results file ("" outside a git checkout)."""
-    done = subprocess.run(
-        ["git", "rev-parse", "HEAD"],  # noqa: S607 - git from PATH, as a developer runs it
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return done.stdout.strip()
 
 
 def delta(a: dict[Any, torch.Tensor], b: dict[Any, torch.Tensor]) -> float:

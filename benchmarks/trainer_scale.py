@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from provenance import git_commit
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "trainer_scale.json"
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -254,17 +256,10 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "weight_bytes": results[0]["weight_bytes"],
         }
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"],  # noqa: S607 - git from PATH, as a developer runs it
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
     report = {
         "benchmark": "trainer_scale",
         "command": "python benchmarks/trainer_scale.py" + (" --quick" if args.quick else ""),
-        "git_commit": commit.stdout.strip(),
+        "git_commit": git_commit(),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
