@@ -24,7 +24,7 @@ process spent (/proc): CPU per call is the figure that other load on a shared ma
 Goal (the proxy's issue): added p50 latency under 2 ms and throughput at least 95% of direct.
 
 Usage: python benchmarks/proxy_overhead.py [--sessions 64] [--turns 8] [--repeats 3] [--chunk-delay 0]
-       [--json] [--profile DIR]
+       [--json] [--out FILE] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from provenance import git_commit  # noqa: E402
 
 from tests.asgi_server import free_port  # noqa: E402
 
@@ -456,6 +458,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--json", action="store_true", help="figures as JSON on stdout (the table to stderr)")
     parser.add_argument(
+        "--out",
+        type=Path,
+        help="also write the figures as JSON to this file (under benchmarks/results/)",
+    )
+    parser.add_argument(
         "--profile",
         metavar="DIR",
         help="run the proxies under cProfile, write DIR/proxy-*.prof and print their hotspots "
@@ -467,8 +474,9 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     out = sys.stderr if args.json else sys.stdout
     figs = asyncio.run(amain(args, out))
-    if args.json:
+    if args.json or args.out:
         document = {
+            "git_commit": git_commit(),
             "upstream": UPSTREAM_NOTE,
             "machine": {"cpus": _cpus(), "python": platform.python_version(), "note": machine_note()},
             "workload": {
@@ -486,8 +494,12 @@ def main(argv: list[str] | None = None) -> None:
             },
             "results": [asdict(f) for f in figs],
         }
-        json.dump(document, sys.stdout, indent=2)
-        print()
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(document, indent=2) + "\n")
+        if args.json:
+            json.dump(document, sys.stdout, indent=2)
+            print()
 
 
 if __name__ == "__main__":

@@ -17,13 +17,17 @@ report arrived, agent, verify, and the whole trial) and the ratio defended / und
 p50s. Every trial must earn reward 1 in both variants, or the benchmark fails: timing a broken
 trial measures nothing.
 
-Usage: python benchmarks/sandbox_lifecycle.py [--trials 50] [--keep DIR]
+Results go to `--out` (default benchmarks/results/sandbox_lifecycle.json): per variant and stage the
+p50, p95 and every trial's seconds, the p50 ratios, the machine and the git commit.
+
+Usage: python benchmarks/sandbox_lifecycle.py [--trials 50] [--keep DIR] [--out FILE]
 Needs root and bubblewrap (scripts/get-sandbox-tools.sh).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -32,6 +36,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from provenance import git_commit
 
 from legorl.sandbox.bundled import generate
 from legorl.sandbox.local import Defenses, LocalBackend
@@ -50,6 +56,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=50)
     parser.add_argument("--keep", type=Path, help="keep the run folder here (default: a temp folder)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/sandbox_lifecycle.json"))
     args = parser.parse_args()
     if shutil.which("bwrap") is None or os.geteuid() != 0:
         print("needs root and bubblewrap (bash scripts/get-sandbox-tools.sh)", file=sys.stderr)
@@ -119,6 +126,35 @@ def main() -> int:
         f"\nmean trial: defended {defended:.2f} s, undefended {undefended:.2f} s, "
         f"ratio {defended / undefended:.2f}x"
     )
+    medians = {
+        variant: {stage: quantile(v, 0.5) for stage, v in per_stage.items()}
+        for variant, per_stage in times.items()
+    }
+    stages = {
+        variant: {
+            stage: {"p50": medians[variant][stage], "p95": quantile(v, 0.95), "seconds": v}
+            for stage, v in per_stage.items()
+        }
+        for variant, per_stage in times.items()
+    }
+    report = {
+        "benchmark": "sandbox_lifecycle",
+        "command": f"python benchmarks/sandbox_lifecycle.py --trials {args.trials}",
+        "git_commit": git_commit(),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "trials_per_variant": args.trials,
+        "tasks": len(task_set),
+        "stages": stages,
+        "ratio_p50": {
+            stage: medians["defended"][stage] / medians["undefended"][stage]
+            for stage in STAGES
+            if medians["undefended"][stage] > 0
+        },
+        "mean_trial_seconds": {"defended": defended, "undefended": undefended},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"results: {args.out}")
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     return 0
