@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from provenance import git_commit
 from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows[name] = layouts.compare(one, got)
                 print(name, rows[name], flush=True)
             report["layouts_float64"] = rows
-    report["commit"] = layouts.git_commit()
+    report["commit"] = git_commit()
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
