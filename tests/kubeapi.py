@@ -59,6 +59,8 @@ import kopf
 import yaml
 from kmock._internal import rendering  # kmock.Response is not in kmock's __all__
 
+from legorl.manifests import kubeyaml
+
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -537,9 +539,9 @@ class _Emulator(kmock.KubernetesEmulator):
         else:
             data = request.data
         if data is None and request.text.strip():
-            try:
-                data = yaml.safe_load(request.text)  # apply-patch+yaml may really be YAML
-            except yaml.YAMLError as e:
+            try:  # apply-patch+yaml may really be YAML, read as the API server reads it
+                data = kubeyaml.load(request.text)
+            except (yaml.YAMLError, kubeyaml.KubeYamlError) as e:
                 raise ApiError(400, "BadRequest", f"cannot parse the body: {e}") from e
         return data
 

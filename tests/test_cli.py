@@ -42,7 +42,10 @@ def test_validate_reports_every_problem_with_location(run_cli: Cli, tmp_path: Pa
     assert all(line.startswith(f"{bad}:10 (RLRun/tiny-local): error: ") for line in lines), lines
     text = "\n".join(lines)
     assert "spec.harness.maxTurn: unknown field 'maxTurn'; did you mean 'maxTurns'?" in text
-    assert 'spec.algorithm.learningRate: must be a string; quote the number: "0.0005"' in text
+    assert (
+        "spec.algorithm.learningRate: must be a string; Kubernetes reads the unquoted 0.0005 as a number: "
+        'quote it: "0.0005"'
+    ) in text
     # CEL problems are reported even while schema problems exist, where the rule can run.
     assert "spec.algorithm.groupSize: every algorithm here takes its baseline from the trial's group" in text
     assert out.splitlines()[-1] == "1 document(s): 3 error(s), 0 warning(s)"
@@ -230,7 +233,8 @@ def test_integer_map_keys_are_not_list_indexes(run_cli: Cli, tmp_path: Path) -> 
     )
     code, out, _ = run_cli("validate", str(manifest))
     assert code == 1
-    assert "error: spec.trainer.resources.limits.1: must be a string" in out, out
+    # Kubernetes makes the key the string "1" (sigs.k8s.io/yaml), which is no container resource.
+    assert "error: spec.trainer.resources.limits.1: '1' is not a container resource" in out, out
 
 
 def test_render_multi_node_fleet_with_and_without_leader_worker_set(run_cli: Cli, repo: Path) -> None:

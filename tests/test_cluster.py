@@ -29,6 +29,8 @@ from typing import Any
 import pytest
 import yaml
 
+from legorl.manifests.generated import to_yaml
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.cluster
 
@@ -103,12 +105,12 @@ def manifest(name: str, namespace: str, kind: str) -> dict[str, Any]:
 def test_api_server_enforces_the_cel_rules(namespace: str) -> None:
     run = manifest("shared-fleet-and-pool.yaml", namespace, "RLRun")
     run["spec"]["algorithm"] = {"name": "GRPO", "groupSize": 1}
-    result = kubectl("apply", "-f", "-", stdin=yaml.safe_dump(run), check=False)
+    result = kubectl("apply", "-f", "-", stdin=to_yaml(run), check=False)
     assert result.returncode != 0
     assert "groupSize must be at least 2" in result.stderr
     run["spec"]["algorithm"] = {"name": "GRPO", "groupSize": 4}
     run["spec"]["fleet"] = {}  # fleetRef and fleet together
-    result = kubectl("apply", "-f", "-", stdin=yaml.safe_dump(run), check=False)
+    result = kubectl("apply", "-f", "-", stdin=to_yaml(run), check=False)
     assert result.returncode != 0
     assert "fleetRef" in result.stderr
 
@@ -116,7 +118,7 @@ def test_api_server_enforces_the_cel_rules(namespace: str) -> None:
 def test_operator_owns_what_it_applies_and_children_are_collected(namespace: str, operator: None) -> None:
     del operator
     fleet = manifest("shared-fleet-and-pool.yaml", namespace, "RolloutFleet")
-    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(fleet))
+    kubectl("apply", "-f", "-", stdin=to_yaml(fleet))
     deploy = wait(lambda: get("deployment", "coder-fleet-engine", namespace), what="the engine Deployment")
     managers = {m["manager"] for m in deploy["metadata"]["managedFields"]}
     assert "legorl-operator" in managers
@@ -148,7 +150,7 @@ def test_failed_preflight_is_visible_in_kubectl(namespace: str, operator: None) 
     del operator
     run = yaml.safe_load((REPO / "examples/tiny-local.yaml").read_text())
     run["metadata"]["namespace"] = namespace
-    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(run))
+    kubectl("apply", "-f", "-", stdin=to_yaml(run))
     wait(
         lambda: (get("rlrun", "tiny-local", namespace) or {}).get("status", {}).get("phase") == "Invalid",
         what="phase Invalid",

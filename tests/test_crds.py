@@ -17,8 +17,11 @@ import yaml
 
 from legorl.api import KINDS
 from legorl.api.crd import all_crds, crd_for, structural_problems
+from legorl.manifests import kubeyaml
 from legorl.manifests.generated import generated_files, stale_files
 from legorl.manifests.structural import cel_violations, iter_nodes
+
+REPO = Path(__file__).resolve().parents[1]
 
 K8S_VERSIONS = ("1.30", "1.33", "1.37")
 
@@ -80,12 +83,23 @@ def test_every_rule_field_path_resolves(kind: str) -> None:
                 target = target["properties"][part]
 
 
+def _root_as_installed(kind: str, folder: str) -> dict[str, Any]:
+    """The schema of the committed CRD file, read as the API server reads it (`kubeyaml`)."""
+    plural = crd_for(KINDS[kind])["spec"]["names"]["plural"]
+    crd = kubeyaml.load((REPO / folder / f"legorl.dev_{plural}.yaml").read_text())
+    root: dict[str, Any] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return root
+
+
+@pytest.mark.parametrize("folder", ["crds", "charts/legorl/crds"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_every_default_passes_its_own_schema_and_rules(kind: str) -> None:
+def test_every_default_passes_its_own_schema_and_rules(kind: str, folder: str) -> None:
     """The API server checks each default as written (no nested defaulting first) against the
-    schema and the CEL rules of its node; a default that fails makes the CRD uninstallable."""
+    schema and the CEL rules of its node; a default that fails makes the CRD uninstallable. The
+    file is read as Kubernetes reads it: an unquoted `default: 1e-6` is a number there, and broke
+    `helm install` of a string field."""
     checked = 0
-    for where, node in iter_nodes(_root(kind)):
+    for where, node in iter_nodes(_root_as_installed(kind, folder)):
         if "default" not in node:
             continue
         default = node["default"]

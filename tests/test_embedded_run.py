@@ -21,10 +21,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from legorl.api.store import RunStore
 from legorl.api.termination import INFRA_REASONS
+from legorl.manifests.generated import to_yaml
 
 pytestmark = [
     pytest.mark.slow,
@@ -101,7 +101,7 @@ def _start(manifest: Path, root: Path, log: Path) -> subprocess.Popen[bytes]:
 
 def test_run_trains_syncs_and_resumes_after_a_kill(tmp_path: Path) -> None:
     manifest = tmp_path / "run.yaml"
-    manifest.write_text(yaml.safe_dump(MANIFEST))
+    manifest.write_text(to_yaml(MANIFEST))
     root = tmp_path / "run"
     log = tmp_path / "run.log"
     store = RunStore(str(root / "store"))
@@ -192,7 +192,7 @@ def test_run_trains_syncs_and_resumes_after_a_kill(tmp_path: Path) -> None:
 
 def test_canary_runs_one_trial_and_checks_parity(tmp_path: Path) -> None:
     manifest = tmp_path / "run.yaml"
-    manifest.write_text(yaml.safe_dump(MANIFEST))
+    manifest.write_text(to_yaml(MANIFEST))
     root = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "legorl.cli", "run", str(manifest), "--dir", str(root), "--canary"],

@@ -12,6 +12,7 @@ import yaml
 from legorl.api import KINDS
 from legorl.api.crd import openapi_schema
 from legorl.manifests import validate_paths
+from legorl.manifests.generated import to_yaml
 from legorl.manifests.structural import apply_defaults, cel_violations
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.yaml"))
@@ -82,7 +83,7 @@ def test_render_prints_the_effective_resources_and_their_children(
         assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "legorl-operator"
     # The resources render prints validate again.
     again = tmp_path / "rendered.yaml"
-    again.write_text(yaml.safe_dump_all(inputs))
+    again.write_text("---\n".join(map(to_yaml, inputs)))
     code, out, _ = run_cli("validate", str(again))
     assert code == 0, out
 

@@ -10,6 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.test_kube_yaml import reader_differences
+
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "legorl"
 CRDS = REPO / "crds"
@@ -51,6 +53,8 @@ def render(helm: str, values: list[str] | None = None, *, include_crds: bool = F
         args.append("--include-crds")
     result = run_helm(helm, *args)
     assert result.returncode == 0, f"helm template {values} failed:\n{result.stderr}"
+    # What the chart renders means the same to Kubernetes as to these tests (no `1e-6`, `y`).
+    assert not reader_differences(result.stdout), reader_differences(result.stdout)
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 

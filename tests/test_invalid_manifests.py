@@ -20,6 +20,7 @@ import yaml
 from legorl.api import GROUP_VERSION, KINDS
 from legorl.api.crd import openapi_schema
 from legorl.manifests import parse_documents, validate_documents
+from legorl.manifests.generated import to_yaml
 from legorl.manifests.structural import apply_defaults, cel_violations, prune_nulls
 
 RUN = """
@@ -383,7 +384,7 @@ def test_explicit_nulls_are_pruned_like_the_api_server_does(
 ) -> None:
     manifest = _manifest(kind, edit)
     assert api_server_rejections(manifest) == []
-    (report,) = validate_documents(parse_documents(yaml.safe_dump(manifest), "nulls.yaml"))
+    (report,) = validate_documents(parse_documents(to_yaml(manifest), "nulls.yaml"))
     assert [p for p in report.problems if p.severity == "error"] == []
     assert report.resource is not None
 
@@ -424,7 +425,7 @@ def test_legorl_validate_names_the_field(
     run_cli: Callable[..., tuple[int, str, str]],
 ) -> None:
     manifest = tmp_path / "bad.yaml"
-    manifest.write_text(yaml.safe_dump(_manifest(kind, edit)))
+    manifest.write_text(to_yaml(_manifest(kind, edit)))
     code, out, _ = run_cli("validate", str(manifest))
     assert code == 1, out
     errors = [line for line in out.splitlines() if ": error: " in line]

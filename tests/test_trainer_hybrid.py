@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from legorl.api.layout import ParallelLayout
+from legorl.manifests.generated import to_yaml
 from legorl.trainer import convert, model
 from legorl.trainer.model import ModelConfigError, MoeArchitecture
 from legorl.trainer.tiny import HYBRID_FAMILIES, hybrid_config, make_tiny_hybrid
@@ -443,7 +444,7 @@ def test_the_flagship_manifest_checks_against_its_own_model_family(
     manifest = yaml.safe_load(example.read_text())
     manifest["spec"]["trainer"]["parallelism"].update(tensor=4, expert=8)
     bad = tmp_path / "tp4.yaml"
-    bad.write_text(yaml.safe_dump(manifest))
+    bad.write_text(to_yaml(manifest))
     assert main(["train", "--spec", str(bad), "--check", "--checkpoint-dir", str(config)]) == 2
     assert "spec.trainer.parallelism.tensor: the model's 2 key/value heads do not split over 4" in (
         capsys.readouterr().err

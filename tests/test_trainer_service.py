@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from legorl.api.store import RunStore
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import TrialRecord
+from legorl.manifests.generated import to_yaml
 from legorl.trainer.settings import SettingsError, TrainerSettings
 from legorl.trainer.tiny import make_tiny_model
 
@@ -244,7 +245,7 @@ def test_legorl_train_from_a_manifest(tiny: Path, tmp_path: Path, batches: list[
     manifest["spec"]["stop"]["maxSteps"] = 1
     manifest["spec"]["filter"] = {"dropReasons": ["sandbox_error"]}
     spec_file = tmp_path / "run.yaml"
-    spec_file.write_text(yaml.safe_dump(manifest))
+    spec_file.write_text(to_yaml(manifest))
     store = RunStore(str(tmp_path / "store"))
     commit(store, batches, range(1, 2))
     rc = main(
@@ -284,7 +285,7 @@ def test_legorl_train_starts_the_layouts_ranks(
     ):
         manifest["spec"]["trainer"]["parallelism"] = parallelism
         spec_file = tmp_path / f"{name}.yaml"
-        spec_file.write_text(yaml.safe_dump(manifest))
+        spec_file.write_text(to_yaml(manifest))
         store = RunStore(str(tmp_path / name))
         commit(store, batches, range(1, 2))
         assert main(["train", "--spec", str(spec_file), "--store", str(tmp_path / name), "--no-wait"]) == 0
@@ -313,7 +314,7 @@ def test_legorl_train_check_accepts_the_flagship_layout_and_refuses_what_the_mod
     # Sizes that divide the 32 ranks (CEL and preflight pass them): only the model says no.
     manifest["spec"]["trainer"]["parallelism"].update(tensor=8, expert=4)
     bad = tmp_path / "tp8.yaml"
-    bad.write_text(yaml.safe_dump(manifest))
+    bad.write_text(to_yaml(manifest))
     assert main(["train", "--spec", str(bad), "--check", "--checkpoint-dir", str(config)]) == 2
     err = capsys.readouterr().err
     assert "spec.trainer.parallelism.tensor: the model's 4 key/value heads do not split over 8" in err

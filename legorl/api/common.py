@@ -26,7 +26,12 @@ LABEL_KEY_RE = (
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
     r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
-RESOURCE_NAME_RE = r"^([a-z0-9.-]+/)?[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
+# A container's resource, as the API server accepts it for a Pod: a standard one, or an extended
+# resource, which is always qualified (`nvidia.com/gpu`).
+RESOURCE_NAME_RE = (
+    r"^(cpu|memory|ephemeral-storage|hugepages-[A-Za-z0-9]+|"
+    r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$"
+)
 
 
 class LocalObjectReference(ApiModel):

@@ -9,6 +9,7 @@ import yaml
 
 from legorl.api.crd import GENERATED_HEADER, SCHEMA_KEYWORDS, all_crds
 from legorl.api.docs import api_reference
+from legorl.manifests.kubeyaml import KubeDumper
 
 CRD_DIRS = ("crds", "charts/legorl/crds")
 API_REFERENCE = "docs/api-reference.md"
@@ -37,8 +38,9 @@ def _order_schema(node: Any) -> Any:
     return ordered
 
 
-class _Dumper(yaml.SafeDumper):
-    """Block style, lists indented under their key (the style kubectl and helm print)."""
+class _Dumper(KubeDumper):
+    """Block style, lists indented under their key (the style kubectl and helm print); a string
+    Kubernetes would read as something else (`1e-6`, `y`) is quoted."""
 
     def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
         super().increase_indent(flow, False)
@@ -47,7 +49,7 @@ class _Dumper(yaml.SafeDumper):
         return True  # shared sub-schemas are written out in full, never as &anchors
 
 
-def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+def _str_representer(dumper: KubeDumper, value: str) -> yaml.ScalarNode:
     style = "|" if "\n" in value else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from legorl.manifests.kubeyaml import KubeLoader, KubeYamlError, plain_texts, to_json_value
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,9 @@ class Document:
     line: int
     """Line the document starts on, from 1."""
     body: Any
-    """The parsed document (a dict for a valid manifest)."""
+    """The parsed document (a dict for a valid manifest), as the API server would receive it."""
+    texts: dict[tuple[str | int, ...], str] = field(default_factory=dict, compare=False)
+    """Unquoted scalars Kubernetes reads as a number or a bool, by path: the text as written."""
 
     @property
     def label(self) -> str:
@@ -50,9 +54,9 @@ def _read(source: str) -> str:
         raise ManifestLoadError(f"{source}: not UTF-8 text: {exc.reason}") from exc
 
 
-class _ManifestLoader(yaml.SafeLoader):
-    """SafeLoader as kubectl reads YAML: duplicate keys are an error, and unquoted dates
-    (`revision: 2024-01-01`) stay strings."""
+class _ManifestLoader(KubeLoader):
+    """YAML as kubectl reads it (`KubeLoader`: `1e-6` is a number, `2024-01-01` a string), and a
+    duplicate key is an error."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
@@ -71,12 +75,6 @@ class _ManifestLoader(yaml.SafeLoader):
                 )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
-
-
-_ManifestLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
 
 
 def _is_acyclic(obj: Any, path: tuple[int, ...] = ()) -> bool:
@@ -105,7 +103,12 @@ def parse_documents(text: str, source: str) -> list[Document]:
                     "manifests cannot be recursive"
                 )
             if body is not None:
-                docs.append(Document(source, index, node.start_mark.line + 1, body))
+                line = node.start_mark.line + 1
+                try:
+                    body = to_json_value(body)
+                except KubeYamlError as exc:
+                    raise ManifestLoadError(f"{source}:{line}: {exc}") from exc
+                docs.append(Document(source, index, line, body, plain_texts(node)))
             index += 1
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

@@ -54,7 +54,15 @@ def _got(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _describe(error: ErrorDetails, schema: dict[str, Any]) -> str:
+def _as_written(text: str, value: Any) -> str:
+    """Why an unquoted scalar is not a string to Kubernetes, and the fix."""
+    what = "a number" if not isinstance(value, bool) else str(value).lower()
+    return f'must be a string; Kubernetes reads the unquoted {text} as {what}: quote it: "{text}"'
+
+
+def _describe(
+    error: ErrorDetails, schema: dict[str, Any], texts: dict[tuple[str | int, ...], str] | None = None
+) -> str:
     kind = error["type"]
     ctx = error.get("ctx", {})
     value = error.get("input")
@@ -94,13 +102,24 @@ def _describe(error: ErrorDetails, schema: dict[str, Any]) -> str:
             return f"{_got(value)} is not an image reference; write e.g. ghcr.io/org/image:tag"
         if pattern.startswith("^[a-z0-9]([-a-z0-9]*"):
             return f"{_got(value)} is not a valid name: use lowercase letters, digits and '-'"
+        if loc and loc[-1] == "[key]" and pattern.startswith("^(cpu|memory|"):
+            return (
+                f"{_got(value)} is not a container resource: use cpu, memory, ephemeral-storage, "
+                "hugepages-<size> or an extended resource such as nvidia.com/gpu"
+            )
         if loc and loc[-1] == "[key]":
             return f"key {_got(value)} is not allowed: keys must match {pattern}"
         return f"{_got(value)} does not match the pattern {pattern}"
     if kind == "string_type":
+        written = (texts or {}).get(tuple(loc))
+        if written is not None:
+            return _as_written(written, value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return f'must be a string; quote the number: "{value}"'
         return f"must be a string (got {type(value).__name__} {_got(value)})"
+    if kind in ("int_type", "int_parsing", "int_from_float") and isinstance(value, bool):
+        written = (texts or {}).get(tuple(loc), str(value).lower())
+        return f"must be an integer; Kubernetes reads the unquoted {written} as {str(value).lower()}"
     if kind in ("int_type", "int_parsing", "int_from_float"):
         return f"must be an integer (got {type(value).__name__} {_got(value)})"
     if kind == "bool_type":
@@ -130,8 +149,13 @@ def field_path(loc: Sequence[int | str], schema: dict[str, Any]) -> str:
     return out
 
 
-def schema_problems(body: dict[str, Any], model: type[Resource]) -> tuple[list[Problem], Resource | None]:
-    """Validate with the pydantic model; returns problems and the model when valid.
+def schema_problems(
+    body: dict[str, Any],
+    model: type[Resource],
+    texts: dict[tuple[str | int, ...], str] | None = None,
+) -> tuple[list[Problem], Resource | None]:
+    """Validate with the pydantic model; returns problems and the model when valid. `texts` are the
+    unquoted scalars of the document as written (`Document.texts`), for the messages.
 
     Field names must be the wire names (`groupSize`): the API server does not know the Python
     names, so `group_size` is an unknown field here too.
@@ -141,7 +165,7 @@ def schema_problems(body: dict[str, Any], model: type[Resource]) -> tuple[list[P
         return [], model.model_validate(body, by_alias=True, by_name=False)
     except ValidationError as exc:
         problems = [
-            Problem("error", field_path(err["loc"], schema), _describe(err, schema))
+            Problem("error", field_path(err["loc"], schema), _describe(err, schema, texts))
             for err in exc.errors(include_url=False)
         ]
         return problems, None
@@ -201,7 +225,7 @@ def validate_document(doc: Document) -> DocumentReport:
     # The API server drops explicit nulls of non-nullable fields before anything else.
     body = prune_nulls(crd_schema(kind), body)
     report.body = body
-    problems, resource = schema_problems(body, KINDS[kind])
+    problems, resource = schema_problems(body, KINDS[kind], doc.texts)
     report.problems += problems
     report.resource = resource
     report.problems += cel_problems(body, kind, skip_unevaluable=bool(problems))
