@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# A real Kubernetes control plane for tests, built here: kube-apiserver and kube-controller-manager
+# v1.20.2 from Debian bookworm's own `kubernetes` source package (no registry ships these
+# binaries), compiled offline with Debian's Go, plus etcd (Debian's etcd-server). kubectl is
+# scripts/get-helm.sh's (v1.35; against 1.20 it only warns about the version skew).
+#
+# Go >= 1.18 changed reflect.mapiterinit to fill an iterator the caller allocates; the vendored
+# github.com/modern-go/reflect2 v1.0.1 still expects one back and crashes the apiserver on the
+# first custom-resource write. scripts/kube/reflect2-mapiterinit.patch is this project's fix
+# (the change reflect2 v1.0.2 made, written from its description).
+#
+# The binaries are cached in ~/.cache/legorl/kube/<key>/bin, keyed by the source package
+# version, the patch and the Go version: the first run builds (about 10 minutes on 2 CPUs), later
+# runs reuse. Prints the bin directory on its last line.
+# Usage: bash scripts/get-kube.sh            (as root, or with golang-go and etcd-server installed)
+set -euo pipefail
+trap 'echo "get-kube.sh: failed at line $LINENO: $BASH_COMMAND" >&2' ERR
+cd "$(dirname "$0")/.."
+REPO=$PWD
+
+VERSION="1.20.5+really1.20.2"
+TREE="kubernetes-1.20.2"
+PATCH="$REPO/scripts/kube/reflect2-mapiterinit.patch"
+
+need=()
+command -v go >/dev/null 2>&1 || need+=(golang-go)
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+command -v make >/dev/null 2>&1 || need+=(make)
+command -v rsync >/dev/null 2>&1 || need+=(rsync)  # the Kubernetes build copies its generators with it
+if [ "${#need[@]}" -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "get-kube.sh: missing ${need[*]} (Debian: apt-get install ${need[*]})" >&2
+    exit 1
+  fi
+  apt-get update -qq >/dev/null
+  # policy-rc.d keeps etcd-server's postinst from starting a system etcd; tests start their own.
+  printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  rm -f /usr/sbin/policy-rc.d
+fi
+
+go_version=$(go env GOVERSION)
+key=$(printf '%s\n%s\n' "$VERSION" "$go_version" | cat - "$PATCH" | sha256sum | cut -c1-16)
+CACHE="${LEGORL_CACHE:-$HOME/.cache/legorl}/kube/$key"
+BIN="$CACHE/bin"
+
+if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kube-controller-manager" ]; then
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  # A private apt configuration with a deb-src entry of the machine's own archive: the system's
+  # sources and lists are left as they are.
+  mkdir -p "$work/apt/sources.list.d" "$work/apt/lists/partial" "$work/apt/cache/archives/partial" "$work/dl"
+  archive=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+  archive=${archive:-http://deb.debian.org/debian}
+  cat >"$work/apt/sources.list.d/src.sources" <<EOF
+Types: deb-src
+URIs: $archive
+Suites: bookworm
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOF
+  apt_private=(-o Dir::Etc::SourceList=/dev/null -o "Dir::Etc::SourceParts=$work/apt/sources.list.d"
+    -o "Dir::State::Lists=$work/apt/lists" -o "Dir::Cache=$work/apt/cache" -o APT::Sandbox::User=root)
+  apt-get "${apt_private[@]}" update -qq
+  (cd "$work/dl" && apt-get "${apt_private[@]}" source --download-only -qq kubernetes)
+  orig="$work/dl/kubernetes_${VERSION}.orig.tar.gz"
+  [ -f "$orig" ] || { echo "get-kube.sh: bookworm no longer has kubernetes $VERSION: $(ls "$work/dl")" >&2; exit 1; }
+  tar -xzf "$orig" -C "$work"
+  cd "$work/$TREE"
+  patch -p1 --quiet <"$PATCH"
+  echo "get-kube.sh: building kube-apiserver and kube-controller-manager $TREE with $go_version" >&2
+  start=$(date +%s)
+  CGO_ENABLED=0 GOPROXY=off GOFLAGS=-mod=vendor GOTOOLCHAIN=local GOCACHE="$work/gocache" \
+    make WHAT="cmd/kube-apiserver cmd/kube-controller-manager" >"$work/build.log" 2>&1 ||
+    { tail -40 "$work/build.log" >&2; exit 1; }
+  mkdir -p "$BIN.partial"
+  cp _output/local/bin/linux/*/kube-apiserver _output/local/bin/linux/*/kube-controller-manager "$BIN.partial/"
+  rm -rf "$BIN" && mv "$BIN.partial" "$BIN"
+  echo "get-kube.sh: built in $(($(date +%s) - start)) s" >&2
+  cd "$REPO"
+fi
+
+ln -sf "$(command -v etcd)" "$BIN/etcd"
+echo "$BIN"
