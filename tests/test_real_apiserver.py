@@ -16,11 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
+from legorl.api import GROUP_VERSION, KINDS
+from legorl.api.crd import openapi_schema
 from legorl.manifests import kubeyaml
 from legorl.manifests.generated import to_yaml
+from legorl.manifests.structural import apply_defaults, cel_violations, prune_nulls
 from tests.kubecluster import ControlPlane, control_plane, kube_bin
+from tests.test_invalid_manifests import CASES, VALIDATE_ONLY, _list_map_duplicates, _manifest, _strict
 
 REPO = Path(__file__).resolve().parents[1]
 CRD_FILES = sorted((REPO / "crds").glob("legorl.dev_*.yaml"))
@@ -150,3 +155,80 @@ def _contains(big: Any, small: Any) -> bool:
     if isinstance(small, list):
         return isinstance(big, list) and len(big) == len(small) and all(map(_contains, big, small))
     return bool(big == small)
+
+
+# --- the invalid manifests of test_invalid_manifests.py, sent to the real server -------------------
+
+TABLE_DOC = REPO / "docs/operator.md"
+TABLE_START = "<!-- real-server-table:start -->"
+TABLE_END = "<!-- real-server-table:end -->"
+
+
+def _emulated(obj: dict[str, Any]) -> str:
+    """Which part of the emulated API server refuses OBJ: `schema` (OpenAPI types, bounds, enums,
+    required fields, list-map keys), `unknown-field`, `cel`, or `none`."""
+    kind = obj.get("kind")
+    if kind not in KINDS or obj.get("apiVersion") != GROUP_VERSION:
+        return "schema"
+    schema = openapi_schema(kind)
+    defaulted = apply_defaults(schema, prune_nulls(schema, obj))
+    if any(jsonschema.Draft7Validator(schema).iter_errors(defaulted)) or _list_map_duplicates(
+        schema, defaulted
+    ):
+        return "schema"
+    if any(jsonschema.Draft7Validator(_strict(schema)).iter_errors(defaulted)):
+        return "unknown-field"
+    return "cel" if cel_violations(schema, defaulted) else "none"
+
+
+def _real_verdict(cluster: ControlPlane, obj: dict[str, Any], unknown: str | None) -> str:
+    """`refused`, `pruned` (accepted without the UNKNOWN field's path), or `accepted`."""
+    sent = dict(obj, metadata={**obj["metadata"], "namespace": "invalid"})
+    # --validate=false: the server's verdict alone (kubectl's client-side check depends on whether
+    # the server has published the CRD's OpenAPI yet, so it is not deterministic).
+    args = ["apply", "--server-side", "--dry-run=server", "--validate=false", "-o", "json", "-f", "-"]
+    result = cluster.kubectl(*args, stdin=to_yaml(sent), check=False)
+    if result.returncode != 0:
+        print(f"refused: {result.stderr.strip()}")  # shown when the test fails
+        return "refused"
+    if unknown is None:
+        return "accepted"
+    node: Any = json.loads(result.stdout)
+    for part in unknown.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return "pruned"
+        node = node[part]
+    return "accepted"
+
+
+def _table_rows() -> dict[str, tuple[str, str]]:
+    text = TABLE_DOC.read_text()
+    body = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
+    rows: dict[str, tuple[str, str]] = {}
+    for line in body.strip().splitlines()[2:]:
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        rows[cells[0]] = (cells[1], cells[2])
+    return rows
+
+
+def test_the_invalid_manifests_on_the_real_server_match_the_table(cluster: ControlPlane) -> None:
+    cluster.kubectl("create", "namespace", "invalid", check=False)
+    measured: dict[str, tuple[str, str]] = {}
+    for name, kind, edit, path in CASES + VALIDATE_ONLY:
+        obj = _manifest(kind, edit)
+        emulated = _emulated(obj)
+        real = _real_verdict(cluster, obj, path if emulated == "unknown-field" else None)
+        measured[name] = (real, emulated)
+    # What the real server refuses is what the emulation calls a schema problem, plus the
+    # metadata.name rule it applies itself; CEL-only cases pass 1.20 (it has no CEL); an unknown
+    # field is never stored.
+    for name, (real, emulated) in measured.items():
+        if emulated == "schema" or name == "name-uppercase":
+            assert real == "refused", (name, real, emulated)
+        elif emulated == "unknown-field":
+            assert real == "pruned", (name, real)
+        else:
+            assert real == "accepted", (name, real, emulated)
+    table = _table_rows()
+    lines = "\n".join(f"| `{n}` | {r} | {e} |" for n, (r, e) in measured.items())
+    assert table == measured, f"docs/operator.md's table is stale; measured:\n{lines}"
