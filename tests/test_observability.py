@@ -466,17 +466,29 @@ def test_the_operator_serves_its_metrics() -> None:
             mock.create(manifests("shared-fleet-and-pool.yaml")[0])
             deadline = time.monotonic() + 30
             text = ""
+
+            def reconciled(text: str) -> bool:
+                ok = re.search(
+                    r'legorl_operator_reconciles_total\{kind="RolloutFleet",result="ok"\} (\S+)', text
+                )
+                return ok is not None and float(ok.group(1)) >= 1
+
+            # The gauge reads the stored status, which lands while the reconcile that wrote it is
+            # still running; the counter counts it when it returns. A scrape in between sees the
+            # first and not yet the second, so wait for both.
             while time.monotonic() < deadline:
                 with contextlib.suppress(OSError):
                     with urllib.request.urlopen(url, timeout=5) as response:
                         text = response.read().decode()
-                    if 'legorl_operator_resources{kind="RolloutFleet",state="NotReady"} 1.0' in text:
+                    if (
+                        'legorl_operator_resources{kind="RolloutFleet",state="NotReady"} 1.0' in text
+                        and reconciled(text)
+                    ):
                         break
                 time.sleep(0.2)
             assert 'legorl_operator_resources{kind="RolloutFleet",state="NotReady"} 1.0' in text, text
             assert isinstance(memo["metrics"], OperatorMetrics)
-    ok = re.search(r'legorl_operator_reconciles_total\{kind="RolloutFleet",result="ok"\} (\S+)', text)
-    assert ok is not None and float(ok.group(1)) >= 1
+    assert reconciled(text), text
 
 
 def test_a_plain_reconciler_gets_state_gauges_without_timings() -> None:
