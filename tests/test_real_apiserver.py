@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,10 +26,12 @@ from legorl.manifests import kubeyaml
 from legorl.manifests.generated import to_yaml
 from legorl.manifests.structural import apply_defaults, cel_violations, prune_nulls
 from tests.kubecluster import ControlPlane, control_plane, kube_bin
+from tests.test_helm import VALUE_SETS, set_flags
 from tests.test_invalid_manifests import CASES, VALIDATE_ONLY, _list_map_duplicates, _manifest, _strict
 
 REPO = Path(__file__).resolve().parents[1]
 CRD_FILES = sorted((REPO / "crds").glob("legorl.dev_*.yaml"))
+KOPF_CRDS = REPO / "charts/legorl/crds/kopf.dev_peerings.yaml"  # the chart installs these too
 EXAMPLES = ["shared-fleet-and-pool.yaml", "gpu-swe-verified.yaml", "tiny-local.yaml"]
 
 if kube_bin() is None:
@@ -56,9 +59,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     with control_plane(tmp_path_factory.mktemp("kube")) as plane:
         for path in CRD_FILES:
             plane.kubectl("apply", "--server-side", "-f", "-", stdin=to_yaml(crd_for_120(path)))
-        for path in CRD_FILES:
-            name = kubeyaml.load(path.read_text())["metadata"]["name"]
-            plane.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+        plane.kubectl("apply", "--server-side", "-f", str(KOPF_CRDS))
+        for path in [*CRD_FILES, KOPF_CRDS]:
+            for crd in kubeyaml.load_all(path.read_text()):
+                name = crd["metadata"]["name"]
+                plane.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
         yield plane
 
 
@@ -98,6 +103,20 @@ def test_the_examples_apply_server_side(cluster: ControlPlane, name: str) -> Non
         )
         # The server kept every field it was sent (nothing pruned as unknown) ...
         assert _contains(got["spec"], doc["spec"]), doc["metadata"]["name"]
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_the_chart_applies_server_side(cluster: ControlPlane, helm: str, value_set: str) -> None:
+    for namespace in ("legorl-system", "a", "b"):  # the release's, and the watched ones of two value sets
+        cluster.kubectl("create", "namespace", namespace, check=False)
+    rendered = subprocess.run(
+        [helm, "template", "demo", str(REPO / "charts/legorl"), "--namespace", "legorl-system",
+         *set_flags(VALUE_SETS[value_set])],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    docs = [d for d in kubeyaml.load_all(rendered) if d]
+    assert {"ClusterRole", "Deployment"} <= {d["kind"] for d in docs}
+    cluster.kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", stdin=rendered)
 
 
 def test_an_unquoted_learning_rate_is_refused_by_the_server_as_by_validate(cluster: ControlPlane) -> None:
