@@ -316,16 +316,24 @@ class Proxy:
     journal: Path
     engine: Engine
     http: httpx.Client
+    clients: list[openai.OpenAI | anthropic.Anthropic] = field(default_factory=list)
+    """Every SDK client handed out; the fixture closes them. A client left to the garbage collector
+    closes its pooled keep-alive socket there, in whichever later test that happens to be, as a
+    ResourceWarning that pytest reports against that test."""
 
     @property
     def tap(self) -> Tap:
         return self.engine.tap
 
     def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="dummy", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="dummy", max_retries=0, timeout=120)
+        self.clients.append(client)
+        return client
 
     def anthropic(self) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.url, api_key="dummy", max_retries=0, timeout=120)
+        client = anthropic.Anthropic(base_url=self.url, api_key="dummy", max_retries=0, timeout=120)
+        self.clients.append(client)
+        return client
 
     def turns(self) -> list[Turn]:
         recovered = read_journal(self.journal)
@@ -353,7 +361,12 @@ def proxy(engine: Engine, tmp_path: Path) -> Iterator[Proxy]:
         retry_budget_seconds=10,
     )
     with serve(ProxyApp(settings)) as url, httpx.Client(base_url=url, timeout=60) as http:
-        yield Proxy(url, tmp_path / "journal", engine, http)
+        handle = Proxy(url, tmp_path / "journal", engine, http)
+        try:
+            yield handle
+        finally:
+            for client in handle.clients:
+                client.close()
 
 
 # -- checks ----------------------------------------------------------------------------------------
