@@ -34,9 +34,13 @@ if [ "${#need[@]}" -gt 0 ]; then
   fi
   apt-get update -qq >/dev/null
   # policy-rc.d keeps etcd-server's postinst from starting a system etcd; tests start their own.
-  printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  # (A policy-rc.d the machine already has is left as it is.)
+  ours=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && ours=1
+  fi
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-  rm -f /usr/sbin/policy-rc.d
+  [ -z "$ours" ] || rm -f /usr/sbin/policy-rc.d
 fi
 
 go_version=$(go env GOVERSION)
