@@ -54,7 +54,8 @@ def render(helm: str, values: list[str] | None = None, *, include_crds: bool = F
     result = run_helm(helm, *args)
     assert result.returncode == 0, f"helm template {values} failed:\n{result.stderr}"
     # What the chart renders means the same to Kubernetes as to these tests (no `1e-6`, `y`).
-    assert not reader_differences(result.stdout), reader_differences(result.stdout)
+    differences = reader_differences(result.stdout)
+    assert not differences, differences
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 

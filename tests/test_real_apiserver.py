@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 
 from legorl.api import GROUP_VERSION, KINDS
-from legorl.api.crd import openapi_schema
+from legorl.api.crd import openapi_schema, without_keyword
 from legorl.manifests import kubeyaml
 from legorl.manifests.generated import to_yaml
 from legorl.manifests.structural import apply_defaults, cel_violations, prune_nulls
@@ -40,17 +40,9 @@ if kube_bin() is None:
     pytest.skip("no kube-apiserver built: run `bash scripts/get-kube.sh`", allow_module_level=True)
 
 
-def without_cel(node: Any) -> Any:
-    """The schema as 1.20 takes it: every `x-kubernetes-validations` removed."""
-    if isinstance(node, dict):
-        return {k: without_cel(v) for k, v in node.items() if k != "x-kubernetes-validations"}
-    if isinstance(node, list):
-        return [without_cel(v) for v in node]
-    return node
-
-
 def crd_for_120(path: Path) -> dict[str, Any]:
-    crd: dict[str, Any] = without_cel(kubeyaml.load(path.read_text()))
+    """The committed CRD as 1.20 takes it: every `x-kubernetes-validations` removed."""
+    crd: dict[str, Any] = without_keyword(kubeyaml.load(path.read_text()), "x-kubernetes-validations")
     return crd
 
 

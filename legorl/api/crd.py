@@ -155,11 +155,12 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
     return _structural(raw, defs, model.__name__)
 
 
-def _strip_defaults(node: Any) -> Any:
+def without_keyword(node: Any, keyword: str) -> Any:
+    """A copy of the schema NODE with every `keyword` entry removed, at any depth."""
     if isinstance(node, dict):
-        return {k: _strip_defaults(v) for k, v in node.items() if k != "default"}
+        return {k: without_keyword(v, keyword) for k, v in node.items() if k != keyword}
     if isinstance(node, list):
-        return [_strip_defaults(v) for v in node]
+        return [without_keyword(v, keyword) for v in node]
     return node
 
 
@@ -217,7 +218,7 @@ def _build_crd(kind: type[RolloutFleet] | type[SandboxPool] | type[RLRun]) -> di
     status_model = next(a for a in fields["status"].annotation.__args__ if a is not type(None))  # type: ignore[union-attr]
     assert isinstance(spec_model, type) and issubclass(spec_model, BaseModel)
     spec = model_schema(spec_model)
-    status = _strip_defaults(model_schema(status_model))
+    status = without_keyword(model_schema(status_model), "default")
     problems = structural_problems(spec, ".spec") + structural_problems(status, ".status")
     if problems:
         raise CrdSchemaError("; ".join(problems))
