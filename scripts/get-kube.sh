@@ -10,7 +10,7 @@
 # (the change reflect2 v1.0.2 made, written from its description).
 #
 # The binaries are cached in ~/.cache/legorl/kube/<key>/bin, keyed by the source package
-# version, the patch and the Go version: the first run builds (about 10 minutes on 2 CPUs), later
+# version, the patch and the Go version: the first run builds (the longest step of a fresh test run), later
 # runs reuse. Prints the bin directory on its last line.
 # Usage: bash scripts/get-kube.sh            (as root, or with golang-go and etcd-server installed)
 set -euo pipefail
