@@ -7,10 +7,13 @@
 # Go >= 1.18 changed reflect.mapiterinit to fill an iterator the caller allocates; the vendored
 # github.com/modern-go/reflect2 v1.0.1 still expects one back and crashes the apiserver on the
 # first custom-resource write. scripts/kube/reflect2-mapiterinit.patch is this project's fix
-# (the change reflect2 v1.0.2 made, written from its description).
+# (the change reflect2 v1.0.2 made, written from its description). Built with that Go, the vendored
+# OpenAPI validators also take every empty string in a custom resource for a null and refuse it
+# ("spec.s in body must be of type string: \"null\""); scripts/kube/openapi-empty-string.patch
+# restores what their check meant. Every scripts/kube/*.patch is applied, in name order.
 #
 # The binaries are cached in ~/.cache/legorl/kube/<key>/bin, keyed by the source package
-# version, the patch and the Go version: the first run builds (the longest step of a fresh test run), later
+# version, the patches and the Go version: the first run builds (the longest step of a fresh test run), later
 # runs reuse. Prints the bin directory on its last line.
 # Usage: bash scripts/get-kube.sh            (as root, or with golang-go and etcd-server installed)
 set -euo pipefail
@@ -20,7 +23,7 @@ REPO=$PWD
 
 VERSION="1.20.5+really1.20.2"
 TREE="kubernetes-1.20.2"
-PATCH="$REPO/scripts/kube/reflect2-mapiterinit.patch"
+PATCHES=("$REPO"/scripts/kube/*.patch)
 
 need=()
 command -v go >/dev/null 2>&1 || need+=(golang-go)
@@ -44,7 +47,7 @@ if [ "${#need[@]}" -gt 0 ]; then
 fi
 
 go_version=$(go env GOVERSION)
-key=$(printf '%s\n%s\n' "$VERSION" "$go_version" | cat - "$PATCH" | sha256sum | cut -c1-16)
+key=$(printf '%s\n%s\n' "$VERSION" "$go_version" | cat - "${PATCHES[@]}" | sha256sum | cut -c1-16)
 CACHE="${LEGORL_CACHE:-$HOME/.cache/legorl}/kube/$key"
 BIN="$CACHE/bin"
 
@@ -71,7 +74,7 @@ EOF
   [ -f "$orig" ] || { echo "get-kube.sh: bookworm no longer has kubernetes $VERSION: $(ls "$work/dl")" >&2; exit 1; }
   tar -xzf "$orig" -C "$work"
   cd "$work/$TREE"
-  patch -p1 --quiet <"$PATCH"
+  for p in "${PATCHES[@]}"; do patch -p1 --quiet <"$p"; done
   echo "get-kube.sh: building kube-apiserver and kube-controller-manager $TREE with $go_version" >&2
   start=$(date +%s)
   CGO_ENABLED=0 GOPROXY=off GOFLAGS=-mod=vendor GOTOOLCHAIN=local GOCACHE="$work/gocache" \
