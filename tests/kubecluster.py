@@ -12,6 +12,7 @@ against the mock. Processes are stopped by PID, their process group included.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -25,6 +26,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 KUBE_VERSION = "v1.20.2"
@@ -58,6 +60,7 @@ class Process:
     name: str
     proc: subprocess.Popen[bytes]
     log: Path
+    argv: list[str]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -84,6 +87,10 @@ class ControlPlane:
     users: Sequence[str] = ()
     """Extra token users (`name` → token in `tokens[name]`, in no group) for RBAC tests."""
     controller_manager: bool = True
+    audit: bool = False
+    """Write every request's metadata (who, verb, resource, response code) to `audit_log`."""
+    admission: Sequence[str] = ()
+    """Admission plugins to enable beside 1.20's defaults (e.g. OwnerReferencesPermissionEnforcement)."""
     port: int = 0
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
     tokens: dict[str, str] = field(default_factory=dict)
@@ -96,6 +103,22 @@ class ControlPlane:
     @property
     def ca(self) -> Path:
         return self.root / "pki/server.crt"
+
+    @property
+    def audit_log(self) -> Path:
+        return self.root / "audit.log"
+
+    def audit_events(self) -> list[dict[str, Any]]:
+        """One audit record per request, oldest first: its last stage (a watch still open has only
+        reached ResponseStarted)."""
+        if not self.audit_log.exists():
+            return []
+        last: dict[str, dict[str, Any]] = {}
+        for line in self.audit_log.read_text().splitlines():
+            if line.strip():
+                event = json.loads(line)
+                last[event["auditID"]] = event
+        return list(last.values())
 
     def kubeconfig(self, user: str = "admin") -> Path:
         """A kubeconfig for USER (the admin by default), written once."""
@@ -117,13 +140,23 @@ class ControlPlane:
 
     def _spawn(self, name: str, argv: list[str]) -> Process:
         log = self.root / f"{name}.log"
-        with log.open("wb") as out:
+        with log.open("ab") as out:
             proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, cwd=self.root, start_new_session=True
             )
-        p = Process(name, proc, log)
+        p = Process(name, proc, log, argv)
         self.procs.append(p)
         return p
+
+    def restart_apiserver(self, down_seconds: float = 1.0, timeout: float = 90.0) -> None:
+        """Stop kube-apiserver (etcd keeps the state), wait DOWN_SECONDS, start it again on its port."""
+        (old,) = (p for p in self.procs if p.name == "kube-apiserver")
+        old.stop()
+        time.sleep(down_seconds)
+        slot = self.procs.index(old)
+        self._spawn("kube-apiserver", old.argv)
+        self.procs[slot] = self.procs.pop()  # the old one's place: processes stop in reverse order
+        self._wait_ready(timeout)
 
     def _pki(self) -> None:
         pki = self.root / "pki"
@@ -174,6 +207,7 @@ class ControlPlane:
                 "--service-account-issuer=https://kubernetes.default.svc",
                 "--service-cluster-ip-range=10.96.0.0/24", "--endpoint-reconciler-type=none",
                 "--enable-priority-and-fairness=false", "--profiling=false", "-v=1",
+                *self._optional_flags(),
             ],
         )  # fmt: skip
         self._wait_ready(timeout)
@@ -191,6 +225,18 @@ class ControlPlane:
                 ],
             )  # fmt: skip
         return self
+
+    def _optional_flags(self) -> list[str]:
+        flags = [f"--enable-admission-plugins={','.join(self.admission)}"] if self.admission else []
+        if self.audit:
+            policy = self.root / "audit-policy.yaml"
+            policy.write_text(
+                "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\n"
+                "rules:\n- level: Metadata\n"
+            )
+            flags += [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}"]
+            flags += ["--audit-log-format=json", "--audit-log-mode=blocking"]
+        return flags
 
     def _wait_ready(self, timeout: float) -> None:
         context = ssl.create_default_context(cafile=str(self.ca))
