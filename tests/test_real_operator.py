@@ -325,6 +325,8 @@ class Env:
     operator: Operator
     docs: list[dict[str, Any]]
     user: str
+    token: str
+    """The operator's ServiceAccount token."""
 
     def wait(self, predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
         deadline = time.monotonic() + timeout
@@ -388,12 +390,14 @@ def env(tmp_path_factory: pytest.TempPathFactory, helm: str) -> Iterator[Env]:
         # The example pool's pods name a RuntimeClass; admission refuses pods whose class is missing.
         plane.kubectl("apply", "--server-side", "-f", "-", stdin=to_yaml(GVISOR))
         proxy = stack.enter_context(Downgrade(plane.url, plane.ca))
-        kubeconfig = sa_kubeconfig(root / "operator.kubeconfig", proxy.url, service_account_token(plane, sa))
+        token = service_account_token(plane, sa)
+        kubeconfig = sa_kubeconfig(root / "operator.kubeconfig", proxy.url, token)
         kubelet = Kubelet(admin).start()
         stack.callback(kubelet.stop)
         operator = operator_command(docs, kubeconfig, root / "operator.log").start()
         stack.callback(operator.stop)
-        yield Env(plane, proxy, admin, kubelet, operator, docs, f"system:serviceaccount:{RELEASE_NS}:{sa}")
+        user = f"system:serviceaccount:{RELEASE_NS}:{sa}"
+        yield Env(plane, proxy, admin, kubelet, operator, docs, user, token)
 
 
 def example(kind: str, namespace: str) -> dict[str, Any]:
@@ -829,20 +833,19 @@ def test_the_chart_grants_exactly_what_the_lifecycles_use(env: Env) -> None:
 
 
 def _as_operator(env: Env) -> httpx.Client:
-    token = env.operator.env["KUBECONFIG"]
-    text = Path(token).read_text()
-    bearer = text.split("token: ", 1)[1].split("\n", 1)[0]
+    """A client with the operator's ServiceAccount token, straight to the server."""
     return httpx.Client(
         base_url=env.plane.url,
         verify=ssl.create_default_context(cafile=str(env.plane.ca)),
-        headers={"Authorization": f"Bearer {bearer}"},
+        headers={"Authorization": f"Bearer {env.token}"},
         timeout=30,
     )
 
 
 @contextlib.contextmanager
-def _without(env: Env, resource: str, verb: str) -> Iterator[None]:
-    """The chart's operator ClusterRole with VERB removed from the rule that grants it on RESOURCE."""
+def _without(env: Env, client: httpx.Client, resource: str, verb: str) -> Iterator[None]:
+    """The chart's operator ClusterRole with VERB removed from the rule that grants it on RESOURCE,
+    in force (as the operator's own access review says) for the block."""
     role = cluster_role(env.docs)
     trimmed = json.loads(json.dumps(role))
     for rule in trimmed["rules"]:
@@ -852,11 +855,28 @@ def _without(env: Env, resource: str, verb: str) -> Iterator[None]:
     force = ["apply", "--server-side", "--force-conflicts", "-f", "-"]
     env.plane.kubectl(*force, stdin=to_yaml(trimmed))
     try:
-        time.sleep(2)  # the RBAC authorizer reads roles from an informer
+        env.wait(lambda: not _allowed(client, resource, verb), f"{verb} {resource} revoked")
         yield
     finally:
         env.plane.kubectl(*force, stdin=to_yaml(role))
-        time.sleep(2)
+        env.wait(lambda: _allowed(client, resource, verb), f"{verb} {resource} granted again")
+
+
+def _allowed(client: httpx.Client, resource: str, verb: str) -> bool:
+    """Whether the client's user may VERB RESOURCE in the default namespace (SelfSubjectAccessReview:
+    the RBAC authorizer's answer once its informer has the latest roles)."""
+    name, _, sub = resource.partition("/")
+    group = "legorl.dev" if name in ("rlruns", "sandboxpools", "rolloutfleets") else ""
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SelfSubjectAccessReview",
+        "spec": {"resourceAttributes": {
+            "namespace": "default", "verb": verb, "group": group, "resource": name, "subresource": sub,
+        }},
+    }  # fmt: skip
+    reply = client.post("/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", json=review)
+    reply.raise_for_status()
+    return bool(reply.json()["status"].get("allowed"))
 
 
 def _apply_as(client: httpx.Client, obj: dict[str, Any]) -> int:
@@ -874,10 +894,10 @@ def test_an_apply_that_creates_needs_create_and_one_that_updates_does_not(env: E
     env.plane.kubectl("create", "namespace", "ablate-create", check=False)
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": "ablate-create"}}
     with _as_operator(env) as client:
-        with _without(env, "configmaps", "create"):
+        with _without(env, client, "configmaps", "create"):
             assert _apply_as(client, cm) == 403
         assert _apply_as(client, cm) == 201
-        with _without(env, "configmaps", "create"):
+        with _without(env, client, "configmaps", "create"):
             assert _apply_as(client, {**cm, "data": {"k": "v"}}) == 200
 
 
@@ -899,6 +919,6 @@ def test_a_blocking_owner_reference_needs_the_owners_finalizers(env: Env) -> Non
         "metadata": {"name": "owned", "namespace": ns, "ownerReferences": [ref]},
     }
     with _as_operator(env) as client:
-        with _without(env, "rolloutfleets/finalizers", "update"):
+        with _without(env, client, "rolloutfleets/finalizers", "update"):
             assert _apply_as(client, cm) == 403
         assert _apply_as(client, cm) == 201
