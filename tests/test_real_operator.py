@@ -418,6 +418,10 @@ def _path(api_version: str, plural: str, namespace: str, name: str = "") -> str:
     return f"{prefix}/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "")
 
 
+def _served(env: Env, path: str) -> bool:
+    return env.admin.http.get(path).status_code == 200
+
+
 def _gone(env: Env, path: str) -> bool:
     return env.admin.get(path) is None
 
@@ -602,6 +606,47 @@ def test_a_run_starts_trials_is_suspended_resumed_and_deleted(env: Env, tmp_path
     LIFECYCLES.add("run")
 
 
+def test_a_run_that_stops_inlining_and_training_has_what_it_no_longer_renders_deleted(
+    env: Env, tmp_path: Path
+) -> None:
+    ns = "reshape"
+    env.plane.kubectl("create", "namespace", ns)
+    tasks, run = _run_objects(ns, tmp_path / "store")
+    run["spec"]["suspend"] = True  # no trials: only what the run renders matters here
+    env.apply(tasks)
+    env.apply(run)
+    owned = {
+        "fleet": _path("legorl.dev/v1alpha1", "rolloutfleets", ns, "coder-grpo-fleet"),
+        "pool": _path("legorl.dev/v1alpha1", "sandboxpools", ns, "coder-grpo-pool"),
+    }
+    for what, path in owned.items():
+        env.wait(functools.partial(env.admin.get, path), f"the run's {what}")
+    jobs = _path("batch/v1", "jobs", ns)
+    env.wait(lambda: env.admin.items(jobs, MANAGED), "the trainer Job")
+    trainer_policy = _path("networking.k8s.io/v1", "networkpolicies", ns, "coder-grpo-trainer")
+    env.wait(functools.partial(env.admin.get, trainer_policy), "the trainer's NetworkPolicy")
+    # The run now uses a shared fleet and pool, and only evaluates: the operator deletes the fleet
+    # and pool it made for the run, the trainer Job and the trainer's NetworkPolicy.
+    for kind in ("RolloutFleet", "SandboxPool"):
+        shared = example(kind, ns)
+        if kind == "SandboxPool":
+            del shared["spec"]["source"]["taskSet"]
+        env.apply(shared)
+    del run["spec"]["fleet"], run["spec"]["pool"]
+    run["spec"] |= {
+        "mode": "Evaluate",
+        "fleetRef": {"name": "coder-fleet"},
+        "poolRef": {"name": "python-repos"},
+    }
+    env.apply(run)
+    for what, path in owned.items():
+        env.wait(functools.partial(_gone, env, path), f"the run's own {what} deleted")
+    env.wait(lambda: not env.admin.items(jobs, MANAGED), "the trainer Job deleted")
+    env.wait(functools.partial(_gone, env, trainer_policy), "the trainer's NetworkPolicy deleted")
+    env.plane.kubectl("delete", "rlrun", "coder-grpo", "-n", ns, "--wait=true", "--timeout=90s")
+    LIFECYCLES.add("reshape")
+
+
 def _suspend(env: Env, ns: str, name: str, value: bool) -> None:
     patch = json.dumps({"spec": {"suspend": value}})
     env.plane.kubectl("patch", "rlrun", name, "-n", ns, "--type=merge", "-p", patch)
@@ -701,14 +746,20 @@ def test_the_watches_survive_an_api_server_restart_and_a_history_gone(env: Env) 
     env.apply(fleet)
     path = _path("legorl.dev/v1alpha1", "rolloutfleets", ns, "coder-fleet")
     env.wait_condition(path, "Ready", "True", "1/1 replicas serve")
-    # The operator's watch of fleets is cut and cannot reconnect for a while; the fleet changes
-    # meanwhile and the API server restarts, so its watch cache begins after the watch's last
-    # resourceVersion: the watch resuming from there gets 410 Gone and has to list again.
+    # The operator's watches of legorl's kinds are cut and cannot reconnect for a while; the fleet
+    # changes meanwhile and the API server restarts, so its watch cache begins after the watches'
+    # last resourceVersion: a watch resuming from there gets 410 Gone and has to list again.
+    # They stay held until the restarted server serves the custom resources: 1.20 answers 404 for
+    # them for a moment after /readyz, and kopf takes a 404 on a watch as fatal (the operator exits,
+    # and its Deployment would restart it).
     gone = env.proxy.rewritten["watch-gone"]
-    with env.proxy.hold("GET", r"/rolloutfleets$"):
+    with env.proxy.hold("GET", r"^/apis/legorl\.dev/"):
         for i in range(3):
             env.apply({**fleet, "metadata": {**fleet["metadata"], "annotations": {"touch": str(i)}}})
         env.plane.restart_apiserver(down_seconds=2)
+        for plural in ("rlruns", "rolloutfleets", "sandboxpools"):
+            served = f"/apis/legorl.dev/v1alpha1/{plural}"
+            env.wait(functools.partial(_served, env, served), f"{plural} served again")
     env.wait(lambda: env.proxy.rewritten["watch-gone"] > gone, "a watch told its history is gone (410)")
     fleet["spec"]["replicas"] = 2
     env.apply(fleet)
@@ -774,13 +825,6 @@ Permission = tuple[str, str, str]
 """(API group, resource[/subresource], verb), as RBAC rules name them."""
 
 NOT_EXERCISED: set[Permission] = {
-    # A run that stops inlining its fleet or pool, or stops training (Train → Evaluate), has the
-    # operator delete what it no longer renders: its fleet / pool, its trainer Job and the
-    # trainer's NetworkPolicy. No lifecycle here changes a run that way yet.
-    ("legorl.dev", "rolloutfleets", "delete"),
-    ("legorl.dev", "sandboxpools", "delete"),
-    ("batch", "jobs", "delete"),
-    ("networking.k8s.io", "networkpolicies", "delete"),
     # A trial pod the pod watch has not shown within appearSeconds (30 s) is looked up directly.
     ("", "pods", "get"),
 }
@@ -819,7 +863,7 @@ def used(events: list[dict[str, Any]], user: str) -> tuple[set[Permission], list
 
 def test_the_chart_grants_exactly_what_the_lifecycles_use(env: Env) -> None:
     """Removing any one grant would make a lifecycle request above fail; no request was refused."""
-    missing = {"fleet", "pool", "run", "lws"} - LIFECYCLES
+    missing = {"fleet", "pool", "run", "reshape", "lws"} - LIFECYCLES
     if missing:
         pytest.fail(f"the {sorted(missing)} lifecycle tests of this module must pass first: run the module")
     needed, refused = used(env.plane.audit_events(), env.user)
