@@ -387,7 +387,7 @@ class _Handler(BaseHTTPRequestHandler):
         with contextlib.suppress(http.client.HTTPException):  # the upstream cut off mid-chunk
             while line := response.readline():
                 if line.startswith(b'{"type":"ERROR"') and b'"code":410' in line:
-                    self.server.proxy.count("watch-gone")  # resourceVersion too old: compacted
+                    self.server.proxy.count("watch-gone")  # resourceVersion too old: history gone
                 if rewrite is not None:
                     line = self._rewrite_event(line, *rewrite)
                 self._chunk(line)
