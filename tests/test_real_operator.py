@@ -8,13 +8,15 @@ authenticated as `system:serviceaccount:legorl-system:<sa>` and authorized by th
 authorizer against the chart's ClusterRoles, with OwnerReferencesPermissionEnforcement on (the
 admission plugin that checks a blocking owner reference against the owner's `finalizers`).
 
-What this test plays: the scheduler (binds pods to nodes) and the kubelet (pod phases, readiness and
-IPs), for the pods the real controller-manager creates from the operator's Deployments and DaemonSets.
-The 1.20 server lacks PodDisruptionBudget `policy/v1` and newer Job fields; the operator reaches it
-through `tests/kube120.Downgrade`, which rewrites exactly those (and nothing else) in this suite only.
+What this test plays: the scheduler (binds pods to nodes), the kubelet (registers a Ready node;
+pod phases, readiness and loopback IPs where nothing listens) for the pods the real controller-manager
+and the operator create, and the StatefulSet pod-index label 1.28 sets. The 1.20 server lacks
+PodDisruptionBudget `policy/v1`, newer Job fields and native sidecars; the operator reaches it through
+`tests/kube120.Downgrade`, which rewrites exactly those (and nothing else) in this suite only.
 
 Least privilege is measured from the API server's audit log: after the lifecycles, every permission
-the chart grants must have been used by some request of the operator (`TestRbac`), and none of the
+the chart grants must have been used by some request of the operator
+(`test_the_chart_grants_exactly_what_the_lifecycles_use`, but for `NOT_EXERCISED`), and none of the
 operator's requests may have been refused.
 """
 
