@@ -59,6 +59,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
         yield plane
 
 
+def example(kind: str, namespace: str) -> dict[str, Any]:
+    """The first KIND of examples/shared-fleet-and-pool.yaml, placed in NAMESPACE."""
+    docs = kubeyaml.load_all((REPO / "examples/shared-fleet-and-pool.yaml").read_text())
+    obj: dict[str, Any] = next(d for d in docs if d and d["kind"] == kind)
+    obj["metadata"]["namespace"] = namespace
+    return obj
+
+
+def applied_example(cluster: ControlPlane, kind: str, namespace: str) -> dict[str, Any]:
+    """`example(kind, namespace)`, applied server-side (the namespace made first)."""
+    cluster.kubectl("create", "namespace", namespace, check=False)
+    obj = example(kind, namespace)
+    cluster.kubectl("apply", "--server-side", "-f", "-", stdin=to_yaml(obj))
+    return obj
+
+
 def test_the_crds_install_and_are_established(cluster: ControlPlane) -> None:
     out = cluster.kubectl("get", "crd", "-o", "json").stdout
     names = {item["metadata"]["name"] for item in json.loads(out)["items"]}
@@ -122,12 +138,7 @@ def test_an_unquoted_learning_rate_is_refused_by_the_server_as_by_validate(clust
 
 
 def test_children_are_garbage_collected_by_the_real_controller_manager(cluster: ControlPlane) -> None:
-    cluster.kubectl("create", "namespace", "gc", check=False)
-    fleet = next(
-        d for d in kubeyaml.load_all((REPO / "examples/shared-fleet-and-pool.yaml").read_text()) if d
-    )
-    fleet["metadata"]["namespace"] = "gc"
-    cluster.kubectl("apply", "--server-side", "-f", "-", stdin=to_yaml(fleet))
+    fleet = applied_example(cluster, "RolloutFleet", "gc")
     owner = json.loads(
         cluster.kubectl("get", "rolloutfleet", fleet["metadata"]["name"], "-n", "gc", "-o", "json").stdout
     )
@@ -248,12 +259,7 @@ def test_the_invalid_manifests_on_the_real_server_match_the_table(cluster: Contr
 def test_an_empty_string_in_a_custom_resource_is_kept(cluster: ControlPlane) -> None:
     # The operator writes conditions with an empty message. Built with Go >= 1.19 and without
     # scripts/kube/openapi-empty-string.patch, this server took every "" for a null and refused it.
-    cluster.kubectl("create", "namespace", "empty", check=False)
-    fleet = next(
-        d for d in kubeyaml.load_all((REPO / "examples/shared-fleet-and-pool.yaml").read_text()) if d
-    )
-    fleet["metadata"]["namespace"] = "empty"
-    cluster.kubectl("apply", "--server-side", "-f", "-", stdin=to_yaml(fleet))
+    fleet = applied_example(cluster, "RolloutFleet", "empty")
     condition = {
         "type": "Degraded", "status": "False", "reason": "AsExpected", "message": "",
         "lastTransitionTime": "2026-12-03T08:49:33Z", "observedGeneration": 1,

@@ -59,7 +59,7 @@ if kube_bin() is None:
         raise RuntimeError("LEGORL_REQUIRE_KUBE=1 but no kube-apiserver: run `bash scripts/get-kube.sh`")
     pytest.skip("no kube-apiserver built: run `bash scripts/get-kube.sh`", allow_module_level=True)
 
-from tests.test_real_apiserver import CRD_FILES, KOPF_CRDS, crd_for_120  # noqa: E402
+from tests.test_real_apiserver import CRD_FILES, KOPF_CRDS, crd_for_120, example  # noqa: E402
 
 # --- the API as the test's admin, the scheduler and the kubelet -----------------------------------------
 
@@ -400,13 +400,6 @@ def env(tmp_path_factory: pytest.TempPathFactory, helm: str) -> Iterator[Env]:
         stack.callback(operator.stop)
         user = f"system:serviceaccount:{RELEASE_NS}:{sa}"
         yield Env(plane, proxy, admin, kubelet, operator, docs, user, token)
-
-
-def example(kind: str, namespace: str) -> dict[str, Any]:
-    docs = kubeyaml.load_all((REPO / "examples/shared-fleet-and-pool.yaml").read_text())
-    obj: dict[str, Any] = next(d for d in docs if d and d["kind"] == kind)
-    obj["metadata"]["namespace"] = namespace
-    return obj
 
 
 LIFECYCLES: set[str] = set()
