@@ -109,8 +109,9 @@ class ControlPlane:
         return self.root / "audit.log"
 
     def audit_events(self) -> list[dict[str, Any]]:
-        """One audit record per request, oldest first: its last stage (a watch still open has only
-        reached ResponseStarted)."""
+        """One audit record per request, oldest first: its last stage. Every request is recorded when
+        it arrives (RequestReceived): a watch reaches ResponseStarted only with its first event or
+        when it closes, so a quiet watch would otherwise not be in the log yet."""
         if not self.audit_log.exists():
             return []
         last: dict[str, dict[str, Any]] = {}
@@ -230,10 +231,7 @@ class ControlPlane:
         flags = [f"--enable-admission-plugins={','.join(self.admission)}"] if self.admission else []
         if self.audit:
             policy = self.root / "audit-policy.yaml"
-            policy.write_text(
-                "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\n"
-                "rules:\n- level: Metadata\n"
-            )
+            policy.write_text("apiVersion: audit.k8s.io/v1\nkind: Policy\nrules:\n- level: Metadata\n")
             flags += [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}"]
             flags += ["--audit-log-format=json", "--audit-log-mode=blocking"]
         return flags
