@@ -23,6 +23,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import tomllib
 import zipfile
@@ -1082,6 +1083,30 @@ def test_harness_install_copies_the_runtime(tmp_path: Path) -> None:
         result = install(*args)
         assert result.returncode == 2 and message in result.stdout + result.stderr, args
     assert install("--help").returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_harness_install_works_as_65532_into_a_folder_of_roots() -> None:
+    """As in a trial pod: the init container runs as 65532, the emptyDir is root's with mode 0777."""
+    with tempfile.TemporaryDirectory() as tmp:  # pytest's own tmp_path is closed to other users
+        base = Path(tmp)
+        base.chmod(0o755)
+        runtime = make_runtime(base / "image/opt/legorl/harness-runtime", kinds="Codex")
+        subprocess.run(["chmod", "-R", "a+rX", str(base / "image")], check=True)
+        into = base / "emptydir"
+        into.mkdir()
+        into.chmod(0o777)
+        as_65532 = ["setpriv", "--reuid=65532", "--regid=65532", "--clear-groups"]
+        result = subprocess.run(
+            [*as_65532, str(HARNESS / "install"), "install", f"--into={into}"],
+            env=clean_env(LEGORL_HARNESS_RUNTIME=str(runtime)),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        assert snapshot(into) == snapshot(runtime)
+        assert into.stat().st_uid == 0 and (into / "bin/legorl-harness").stat().st_uid == 65532
 
 
 # --- the harness launcher, against recording stubs --------------------------------------------
