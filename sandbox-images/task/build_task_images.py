@@ -2,6 +2,7 @@
 
     python sandbox-images/task/build_task_images.py TASK_SET/tasks.jsonl [--only ID ...]
         [--push] [--dry-run] [--docker docker] [--build-arg NAME=VALUE ...]
+        [--dockerfile PATH] [--network NAME]
 
 Each row that names a `source` (a git bundle or repository folder, relative to the manifest's
 folder) is built with sandbox-images/task/Dockerfile, the manifest's folder as build context,
@@ -49,6 +50,8 @@ def build_commands(
     push: bool = False,
     docker: str = "docker",
     build_args: Sequence[str] = (),
+    dockerfile: Path = DOCKERFILE,
+    network: str | None = None,
 ) -> list[list[str]]:
     """The commands that build (and push) the manifest's task images, in manifest order."""
     context = manifest.resolve().parent
@@ -77,7 +80,9 @@ def build_commands(
             raise ManifestError(f"{where} ({instance_id}): source {source} lies outside {context}")
         if not path.exists():
             raise ManifestError(f"{where} ({instance_id}): source {path} does not exist")
-        command = [docker, "build", "-f", str(DOCKERFILE)]
+        command = [docker, "build", "-f", str(dockerfile)]
+        if network is not None:
+            command += ["--network", network]
         for arg in (
             f"SOURCE={path.relative_to(context).as_posix()}",
             f"BASE_COMMIT={commit}",
@@ -109,10 +114,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME=VALUE",
         help="passed to every build, e.g. PYTHON_IMAGE=python:3.11.13-slim-bookworm@sha256:...",
     )
+    parser.add_argument(
+        "--dockerfile", type=Path, default=DOCKERFILE, help="the task recipe (default: %(default)s)"
+    )
+    parser.add_argument("--network", help="the builds' network, e.g. host (docker build --network)")
     args = parser.parse_args(argv)
     try:
         commands = build_commands(
-            args.manifest, only=args.only, push=args.push, docker=args.docker, build_args=args.build_arg
+            args.manifest,
+            only=args.only,
+            push=args.push,
+            docker=args.docker,
+            build_args=args.build_arg,
+            dockerfile=args.dockerfile,
+            network=args.network,
         )
     except (OSError, ManifestError) as exc:
         sys.stderr.write(f"build_task_images: {exc}\n")
