@@ -1,13 +1,16 @@
 """Write the pinned requirements of an image's Python environment (every package, `name==version`).
 
 Run it on Linux from the repository root with the Python the image runs: 3.12 for the harness
-runtimes (PBS_PYTHON_VERSION in their Dockerfiles), 3.11 for the proxy image:
+runtimes (PBS_PYTHON_VERSION in their Dockerfiles), 3.11 for the proxy, operator and trainer images:
 
     python3.12 sandbox-images/lock_requirements.py mini-swe-agent==2.4.6 \\
         > sandbox-images/harness/mini-swe-agent/requirements.txt
     python3.12 sandbox-images/lock_requirements.py openhands-sdk==1.58.2 openhands-tools==1.58.2 \\
         > sandbox-images/harness/openhands/requirements.txt
     python3.11 sandbox-images/lock_requirements.py '.[proxy]' > sandbox-images/proxy/requirements.txt
+    python3.11 sandbox-images/lock_requirements.py '.[operator]' > operator/requirements.txt
+    python3.11 sandbox-images/lock_requirements.py '.[trainer]' torch==2.13.0+cpu --exclude torch \\
+        > trainer/requirements.txt
 
 It asks pip's resolver (`pip install --dry-run --report`; nothing is installed) which
 distributions the requirements need and prints them sorted, with a header naming the inputs. A
@@ -54,16 +57,25 @@ def resolve(requirements: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    requirements = list(sys.argv[1:] if argv is None else argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    # --exclude NAME: resolved with the rest but left out (the image installs it on its own, as the
+    # trainer image installs torch in the build its platform needs).
+    excluded = {words[i + 1].lower() for i, w in enumerate(words[:-1]) if w == "--exclude"}
+    requirements = [
+        w for i, w in enumerate(words) if w != "--exclude" and (i == 0 or words[i - 1] != "--exclude")
+    ]
     if not requirements or not all("==" in r or r.startswith((".", "/")) for r in requirements):
-        sys.stderr.write("usage: lock_requirements.py NAME==VERSION|LOCAL_PROJECT[EXTRAS]...\n")
+        sys.stderr.write(
+            "usage: lock_requirements.py NAME==VERSION|LOCAL_PROJECT[EXTRAS]... [--exclude NAME]\n"
+        )
         return 2
     python = ".".join(platform.python_version_tuple()[:2])
     lines = [
         f"# Pinned runtime of: {' '.join(requirements)}",
+        *([f"# Not pinned here (installed on its own): {', '.join(sorted(excluded))}"] if excluded else []),
         f"# Resolved for Python {python} on {platform.system()} {platform.machine()} by",
         "# sandbox-images/lock_requirements.py (regenerate with it; do not edit by hand).",
-        *(f"{name}=={version}" for name, version in resolve(requirements)),
+        *(f"{name}=={version}" for name, version in resolve(requirements) if name not in excluded),
     ]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0

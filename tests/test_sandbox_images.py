@@ -46,7 +46,8 @@ INIT = IMAGES / "init"
 TASK_DOCKERFILE = IMAGES / "task" / "Dockerfile"
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 VERSION = PROJECT["project"]["version"]
-DOCKERFILES = sorted(IMAGES.rglob("Dockerfile"))
+DOCKERFILES = sorted([*IMAGES.rglob("Dockerfile"), *REPO.glob("*/Dockerfile")])
+"""The sandbox images' Dockerfiles and the components' own (operator/Dockerfile)."""
 SCRIPTS = sorted(
     p
     for p in IMAGES.rglob("*")
@@ -299,15 +300,14 @@ def default_images() -> dict[str, str]:
     return named
 
 
-def test_every_default_image_has_a_row_and_the_sandbox_ones_a_dockerfile() -> None:
+def test_every_default_image_has_a_row_and_a_dockerfile() -> None:
     rows = {row["image"]: row for row in images_table()}
     named = default_images()
     assert set(Images().harness) == set(KINDS)
     for image, who in named.items():
         assert image.startswith("ghcr.io/legorl/"), image
         assert image in rows, f"{image} ({who}) is not in sandbox-images/images.json"
-    sandbox = {Images().proxy, Images().sandbox_init, *Images().harness.values()}
-    for image in sandbox:
+    for image in named:
         dockerfile = rows[image]["dockerfile"]
         assert dockerfile and (REPO / dockerfile).is_file(), f"{image} has no Dockerfile"
         assert rows[image]["context"] == "."
@@ -514,14 +514,17 @@ def test_no_shell_form_entrypoint(path: Path) -> None:
 def test_entrypoints_take_the_pods_arguments() -> None:
     """The pod gives args only (`install --into=...`, `proxy ...`): the entrypoint must be set."""
     expected = {
-        "init": "/usr/local/bin/sandbox-init",
-        "proxy": "/opt/legorl/venv/bin/legorl",
+        "init": ["/usr/local/bin/sandbox-init"],
+        "proxy": ["/opt/legorl/venv/bin/legorl"],
+        "operator": ["/opt/legorl/venv/bin/legorl"],
+        # The Job gives a command (torchrun ... -m legorl.trainer); run bare, the image is the trainer.
+        "trainer": ["/opt/legorl/venv/bin/python", "-m", "legorl.trainer"],
     }
     for path in repo_context_dockerfiles():
         df = parse_dockerfile(path)
         entry = [ins.words() for ins in df.final.instructions if ins.keyword == "ENTRYPOINT"]
-        want = expected.get(path.parent.name, "/usr/local/bin/legorl-harness-install")
-        assert entry and entry[-1] == [want], f"{rel(path)}: ENTRYPOINT {entry}"
+        want = expected.get(path.parent.name, ["/usr/local/bin/legorl-harness-install"])
+        assert entry and entry[-1] == want, f"{rel(path)}: ENTRYPOINT {entry}"
 
 
 def python_dockerfiles() -> list[Path]:
@@ -602,10 +605,19 @@ def build_context(dockerfile: Path, stage_index: int, root: Path) -> Path:
     return root
 
 
-def test_proxy_build_context_is_enough_to_build_the_wheel(tmp_path: Path) -> None:
-    """The proxy image's build stage, its copies as the .dockerignore lets them through, builds
-    the legorl wheel with the proxy in it."""
-    root = build_context(IMAGES / "proxy/Dockerfile", 0, tmp_path / "image")
+WHEEL_IMAGES = {
+    "proxy": IMAGES / "proxy/Dockerfile",
+    "operator": REPO / "operator/Dockerfile",
+    "trainer": REPO / "trainer/Dockerfile",
+}
+"""The images that build the legorl wheel and install it with a lock of their extra."""
+
+
+@pytest.mark.parametrize("name", sorted(WHEEL_IMAGES))
+def test_build_context_is_enough_to_build_the_wheel(name: str, tmp_path: Path) -> None:
+    """The image's build stage, its copies as the .dockerignore lets them through, builds the
+    legorl wheel with the proxy, the operator and the CLI in it."""
+    root = build_context(WHEEL_IMAGES[name], 0, tmp_path / "image")
     result = subprocess.run(
         [
             *(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation"),
@@ -621,21 +633,41 @@ def test_proxy_build_context_is_enough_to_build_the_wheel(tmp_path: Path) -> Non
         names = set(archive.namelist())
         entry_points = next(n for n in names if n.endswith("entry_points.txt"))
         assert "legorl = legorl.cli.main:main" in archive.read(entry_points).decode()
-    assert {"legorl/proxy/app.py", "legorl/cli/main.py", "legorl/sandbox/cli.py"} <= names
+    assert {
+        "legorl/proxy/app.py",
+        "legorl/cli/main.py",
+        "legorl/sandbox/cli.py",
+        "legorl/operator/main.py",
+    } <= names
 
 
-def test_proxy_lock_covers_the_proxy_dependencies() -> None:
+def _extra(name: str) -> list[str]:
+    """The requirements of legorl's extra NAME, with the extras it names (`legorl[ui]`) expanded."""
+    out: list[str] = []
+    for requirement in PROJECT["project"]["optional-dependencies"][name]:
+        own = re.fullmatch(r"legorl\[([\w,]+)\]", requirement)
+        out += [r for extra in own.group(1).split(",") for r in _extra(extra)] if own else [requirement]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(WHEEL_IMAGES))
+def test_lock_covers_the_images_dependencies(name: str) -> None:
+    path = WHEEL_IMAGES[name].with_name("requirements.txt")
     lock = {
         _requirement_name(line): line
-        for line in (IMAGES / "proxy/requirements.txt").read_text(encoding="utf-8").splitlines()
+        for line in path.read_text(encoding="utf-8").splitlines()
         if line and not line.startswith("#")
     }
-    _requirements_pinned(IMAGES / "proxy/requirements.txt")
-    wanted = [*PROJECT["project"]["dependencies"], *PROJECT["project"]["optional-dependencies"]["proxy"]]
-    missing = [r for r in wanted if _requirement_name(r) not in lock]
+    _requirements_pinned(path)
+    # Named in the header as installed on its own (the trainer's torch, at the build's TORCH_VERSION).
+    text = path.read_text(encoding="utf-8")
+    header = re.search(r"^# Not pinned here \(installed on its own\): (.+)$", text, re.M)
+    own = {n.strip() for n in header.group(1).split(",")} if header else set()
+    wanted = [*PROJECT["project"]["dependencies"], *_extra(name)]
+    missing = [r for r in wanted if _requirement_name(r) not in set(lock) | own]
     assert not missing, (
-        f"sandbox-images/proxy/requirements.txt lacks {missing}: regenerate it with "
-        "`python3.11 sandbox-images/lock_requirements.py '.[proxy]'`"
+        f"{rel(path)} lacks {missing}: regenerate it with "
+        f"`python3.11 sandbox-images/lock_requirements.py '.[{name}]' > {rel(path)}`"
     )
 
 
