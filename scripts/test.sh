@@ -5,7 +5,8 @@
 # Playwright for the UI's browser tests (scripts/get-browser.sh), fetches helm
 # (scripts/get-helm.sh), builds a real kube-apiserver (scripts/get-kube.sh, in the background while
 # the linters run; cached in ~/.cache/legorl/kube), then lint, types, import layers,
-# generated-file drift and the test suite.
+# generated-file drift, every image built and smoke-run (scripts/build-images.sh: Docker and
+# debootstrap from Debian, a private engine; LEGORL_IMAGES=0 skips it) and the test suite.
 # Usage: bash scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +61,11 @@ fi
 grep "get-kube.sh:" .cache/get-kube.log || true
 LEGORL_KUBE_BIN=$(tail -1 .cache/get-kube.log)
 export LEGORL_KUBE_BIN LEGORL_REQUIRE_KUBE=1
+
+if [ "${LEGORL_IMAGES:-1}" != 0 ]; then
+  step "every image built and smoke-run (scripts/build-images.sh; LEGORL_IMAGES=0 skips)"
+  bash scripts/build-images.sh --results .cache/images.json
+fi
 
 step "pytest"
 set +e

