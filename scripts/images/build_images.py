@@ -68,6 +68,10 @@ CPU_TORCH = "2.13.0+cpu"
 engine extra), which pip finds in this machine's wheel store. PyPI's torch is the CUDA build."""
 
 
+WHEELHOUSE_PORT = 18431
+"""Loopback port of the CPU torch wheelhouse during the trainer's build (another if it is taken)."""
+
+
 class BuildError(RuntimeError):
     """A build or smoke check failed; the message says which and ends with the command's output."""
 
@@ -402,7 +406,10 @@ def torch_wheelhouse() -> Iterator[dict[str, str]]:
                 "nvidia-* wheels); set TORCH_VERSION and PIP_FIND_LINKS to a wheelhouse to build it"
             )
         handler = functools.partial(_QuietHandler, directory=tmp)
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        try:  # One port every time, so the URL (a build argument) keeps the build's layers cached.
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEELHOUSE_PORT), handler)
+        except OSError:
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         try:
