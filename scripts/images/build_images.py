@@ -195,7 +195,7 @@ def make_bases(docker: Docker, rootfs: Path, no_cache: bool) -> list[Result]:
     else:
         status = "kept"
     results.append(Result(DEBIAN, None, status, time.monotonic() - start, docker.size(DEBIAN)))
-    for arg, image in BASES.items():
+    for image in BASES.values():
         if image == DEBIAN:
             continue
         name = image.split("/")[1].split(":")[0]
@@ -206,7 +206,6 @@ def make_bases(docker: Docker, rootfs: Path, no_cache: bool) -> list[Result]:
         results.append(
             Result(image, str(path.relative_to(REPO)), "built", time.monotonic() - start, docker.size(image))
         )
-        del arg
     return results
 
 
