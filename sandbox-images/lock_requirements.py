@@ -19,6 +19,7 @@ local project (`.[proxy]`) is resolved but left out: the image installs it from 
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import subprocess
@@ -57,18 +58,16 @@ def resolve(requirements: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    words = list(sys.argv[1:] if argv is None else argv)
-    # --exclude NAME: resolved with the rest but left out (the image installs it on its own, as the
-    # trainer image installs torch in the build its platform needs).
-    excluded = {words[i + 1].lower() for i, w in enumerate(words[:-1]) if w == "--exclude"}
-    requirements = [
-        w for i, w in enumerate(words) if w != "--exclude" and (i == 0 or words[i - 1] != "--exclude")
-    ]
-    if not requirements or not all("==" in r or r.startswith((".", "/")) for r in requirements):
-        sys.stderr.write(
-            "usage: lock_requirements.py NAME==VERSION|LOCAL_PROJECT[EXTRAS]... [--exclude NAME]\n"
-        )
-        return 2
+    parser = argparse.ArgumentParser(prog="lock_requirements.py")
+    parser.add_argument("requirements", nargs="+", metavar="NAME==VERSION|LOCAL_PROJECT[EXTRAS]")
+    # Resolved with the rest but left out: the image installs it on its own (the trainer image
+    # installs torch in the build its platform needs).
+    parser.add_argument("--exclude", action="append", default=[], metavar="NAME")
+    args = parser.parse_args(argv)
+    requirements = args.requirements
+    excluded = {name.lower() for name in args.exclude}
+    if not all("==" in r or r.startswith((".", "/")) for r in requirements):
+        parser.error("each requirement is NAME==VERSION or a local project (., /path), with extras")
     python = ".".join(platform.python_version_tuple()[:2])
     lines = [
         f"# Pinned runtime of: {' '.join(requirements)}",

@@ -52,8 +52,9 @@ def test_every_base_a_dockerfile_names_is_made_here(row: dict[str, str]) -> None
 
 def test_every_base_made_here_has_its_dockerfile() -> None:
     for image in set(bi.BASES.values()) - {bi.DEBIAN}:
-        name = image.split("/")[1].split(":")[0]
-        text = (REPO / "scripts/images/bases" / f"{name}.Dockerfile").read_text(encoding="utf-8")
+        text = (REPO / "scripts/images/bases" / f"{bi.short_name(image)}.Dockerfile").read_text(
+            encoding="utf-8"
+        )
         assert bi.image_args(text) == ["DEBIAN_IMAGE"]
 
 
@@ -109,8 +110,7 @@ def test_the_local_copy_keeps_the_dockerfiles_own_ignore_file() -> None:
 
 def test_every_image_built_here_has_a_smoke_run() -> None:
     for row in BUILT:
-        name = row["image"].split("/", 2)[-1].split(":")[0]
-        if name.startswith("tasks/"):
+        if bi.short_name(row["image"]).startswith("tasks/"):
             continue  # build_task_image returns its own
         assert bi.smoke_for(row["image"], row) is not None, f"{row['image']} has no smoke run"
 

@@ -114,6 +114,12 @@ class Docker:
         return int(self.run("image", "inspect", "-f", "{{.Size}}", image).stdout.strip())
 
 
+def short_name(image: str) -> str:
+    """An image's name without its registry, owner and tag: `proxy`, `harness-codex`, `tasks/tiny-python`,
+    `python` for a base (what --only takes)."""
+    return image.split("/", 2)[-1].split(":", 1)[0]
+
+
 # --- Dockerfiles ---------------------------------------------------------------------------------
 
 
@@ -198,8 +204,7 @@ def make_bases(docker: Docker, rootfs: Path, no_cache: bool) -> list[Result]:
     for image in BASES.values():
         if image == DEBIAN:
             continue
-        name = image.split("/")[1].split(":")[0]
-        path = HERE / "bases" / f"{name}.Dockerfile"
+        path = HERE / "bases" / f"{short_name(image)}.Dockerfile"
         start = time.monotonic()
         cache = ["--no-cache"] if no_cache else []
         docker.run("build", "--network", "host", *cache, "-f", str(path), "-t", image, str(path.parent))
@@ -310,20 +315,33 @@ HARNESS_BINARIES = {
 }
 
 
-def smoke_harness(docker: Docker, image: str, kind: str) -> list[str]:
-    with tempfile.TemporaryDirectory(prefix="legorl-harness-") as tmp:
+@contextlib.contextmanager
+def installed(docker: Docker, image: str, into: str) -> Iterator[tuple[Path, Callable[..., Any]]]:
+    """IMAGE's `install --into=INTO` into a fresh folder, and a way to run what it copied where a trial
+    pod runs it: in another image (here the Debian base), mounted read-only at INTO, as 65532, with a
+    read-only root and no network."""
+    with tempfile.TemporaryDirectory(prefix="legorl-install-") as tmp:
         Path(tmp).chmod(0o777)  # the image copies as 65532
-        docker.run("run", "--rm", "--network", "none", "-v", f"{tmp}:/out", image, "install", "--into=/out")
-        binary = HARNESS_BINARIES[kind]
-        if not (Path(tmp) / binary).exists():
+        docker.run(
+            "run", "--rm", "--network", "none", "-v", f"{tmp}:{into}", image, "install", f"--into={into}"
+        )
+
+        def run(*command: str) -> subprocess.CompletedProcess[str]:
+            return docker.run(
+                "run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "-e", "HOME=/tmp",
+                "--user", "65532:65532", "-v", f"{tmp}:{into}:ro", DEBIAN, *command,
+            )  # fmt: skip
+
+        yield Path(tmp), run
+
+
+def smoke_harness(docker: Docker, image: str, kind: str) -> list[str]:
+    binary = HARNESS_BINARIES[kind]
+    with installed(docker, image, "/opt/legorl-harness") as (copied, run):
+        if not (copied / binary).exists():
             raise BuildError(f"{image}: install --into left no {binary}")
-        # Run where the pod runs it: in another image (here the Debian base), mounted read-only.
-        mount = ["-v", f"{tmp}:/opt/legorl-harness:ro", "-e", "HOME=/tmp", "--user", "65532:65532"]
-        run = docker.run(
-            "run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", *mount, DEBIAN,
-            f"/opt/legorl-harness/{binary}", "--version",
-        )  # fmt: skip
-        lines = (run.stdout + run.stderr).strip().splitlines()
+        result = run(f"/opt/legorl-harness/{binary}", "--version")
+        lines = (result.stdout + result.stderr).strip().splitlines()
         version = next((line for line in lines if re.search(r"\d+\.\d+\.\d+", line)), lines[-1])[:80]
     return [
         smoke_help(docker, image),
@@ -332,19 +350,13 @@ def smoke_harness(docker: Docker, image: str, kind: str) -> list[str]:
 
 
 def smoke_sandbox_init(docker: Docker, image: str) -> list[str]:
-    with tempfile.TemporaryDirectory(prefix="legorl-tools-") as tmp:
-        Path(tmp).chmod(0o777)  # the image copies as 65532
-        docker.run(
-            "run", "--rm", "--network", "none", "-v", f"{tmp}:/legorl", image, "install", "--into=/legorl"
-        )
-        # The trial pod's `setup` container runs the tool from that volume in the task image.
-        mount = ["-v", f"{tmp}:/legorl:ro", "--user", "65532:65532", "--tmpfs", "/tmp"]
-        run = docker.run(
-            "run", "--rm", "--network", "none", "--read-only", *mount, DEBIAN,
-            "/legorl/bin/legorl-sandbox", "--help",
-        )  # fmt: skip
-        if "usage" not in run.stdout.lower():
-            raise BuildError(f"{image}: the installed legorl-sandbox printed no usage:\n{run.stdout[-2000:]}")
+    # The trial pod's `setup` container runs the tool from that volume in the task image.
+    with installed(docker, image, "/legorl") as (_, run):
+        result = run("/legorl/bin/legorl-sandbox", "--help")
+        if "usage" not in result.stdout.lower():
+            raise BuildError(
+                f"{image}: the installed legorl-sandbox printed no usage:\n{result.stdout[-2000:]}"
+            )
     return [
         smoke_help(docker, image),
         "`install --into=DIR` copies the tool; DIR/bin/legorl-sandbox --help runs in the Debian base "
@@ -475,7 +487,7 @@ def build_task_image(docker: Docker, work: Path) -> tuple[Result, Callable[[], l
 
 
 def smoke_for(image: str, row: dict[str, Any]) -> Callable[[Docker, str], list[str]] | None:
-    name = image.rsplit("/", 1)[-1].split(":", 1)[0]
+    name = short_name(image)
     if name == "proxy":
         return smoke_proxy
     if name == "operator":
@@ -542,7 +554,7 @@ def git_commit() -> str:
 
 def build_row(docker: Docker, row: dict[str, Any], work: Path, no_cache: bool) -> Result:
     """Build one row of the table and smoke-run what was built; a failure is in the Result."""
-    name = row["image"].split("/", 2)[-1].split(":")[0]
+    name = short_name(row["image"])
     result = Result(row["image"], row["dockerfile"])
     try:
         if row["dockerfile"] is None:
@@ -565,7 +577,7 @@ def build_row(docker: Docker, row: dict[str, Any], work: Path, no_cache: bool) -
 
 
 def write_results(
-    path: Path, docker: Docker, args: argparse.Namespace, cache: str, results: list[Result]
+    path: Path, docker: Docker, args: argparse.Namespace, *, cache: str, total: float, results: list[Result]
 ) -> None:
     version = docker.run("version", "-f", "{{.Server.Version}}", check=False).stdout.strip()
     data = {
@@ -575,7 +587,7 @@ def write_results(
         "rootfs_seconds": args.rootfs_seconds,
         "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, Docker engine {version}",
         "commit": git_commit(),
-        "total_seconds": round(args.total, 1),
+        "total_seconds": round(total, 1),
         "total_note": "the bases, every build and every smoke run; not the rootfs (rootfs_seconds)",
         "images": [asdict(r) | {"seconds": r.seconds and round(r.seconds, 1)} for r in results],
     }
@@ -610,16 +622,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = json.loads(TABLE.read_text(encoding="utf-8"))["images"]
     with tempfile.TemporaryDirectory(prefix="legorl-images-") as work:
         for row in rows:
-            if args.only and row["image"].split("/", 2)[-1].split(":")[0] not in args.only:
+            if args.only and short_name(row["image"]) not in args.only:
                 continue
             results.append(build_row(docker, row, Path(work), args.no_cache))
             report(results[-1:], sys.stdout)
             sys.stdout.flush()
-    args.total = time.monotonic() - started
-    print(f"\nbuild-images: {args.total:.0f} s in all")
+    total = time.monotonic() - started
+    print(f"\nbuild-images: {total:.0f} s in all")
     report(results, sys.stdout)
     if args.results:
-        write_results(args.results, docker, args, cache, results)
+        write_results(args.results, docker, args, cache=cache, total=total, results=results)
     return 1 if any(r.status == "failed" for r in results) else 0
 
 
