@@ -199,6 +199,7 @@ def test_vllm_command_line_follows_the_spec() -> None:
         "--enable-auto-tool-choice --tool-call-parser hermes",
         '--weight-transfer-config {"backend":"legorl_filesystem"}',
         "--worker-extension-cls legorl.trainer.weight_sync.FilesystemWeightTransfer",
+        "--middleware legorl.trainer.engine_versions.WeightVersions",
     ):
         assert expected in joined, expected
     assert "--distributed-executor-backend" not in joined
@@ -206,6 +207,24 @@ def test_vllm_command_line_follows_the_spec() -> None:
     joined = " ".join(vllm_args(off, "org/m", []))
     assert "--enable-return-routed-experts" not in joined
     assert "--no-enable-prefix-caching" in joined
+
+
+@pytest.mark.parametrize(
+    ("spec", "middleware"),
+    [
+        ({}, True),
+        ({"settings": {"extraArgs": ["--api-server-count", "1"]}}, True),
+        ({"settings": {"extraArgs": ["--api-server-count", "4"]}}, False),
+        ({"settings": {"extraArgs": ["--api-server-count=2"]}}, False),
+        ({"settings": {"extraArgs": ["-asc", "2"]}}, False),
+        ({"weightSync": {"method": "NCCL"}}, False),
+    ],
+)
+def test_the_versions_middleware_runs_where_it_can_be_exact(spec: dict[str, Any], middleware: bool) -> None:
+    # It needs legorl in the engine image (only the Filesystem extension guarantees it) and one API server
+    # process (each process sees only the weight swaps it served); elsewhere the proxies read /weight_info.
+    joined = " ".join(vllm_args(fleet_from(spec), "org/m", []))
+    assert ("--middleware legorl.trainer.engine_versions.WeightVersions" in joined) is middleware
 
 
 def test_cpu_fleet_requests_no_gpus_and_sizes_its_kv_cache() -> None:

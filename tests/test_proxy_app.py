@@ -40,6 +40,7 @@ from legorl.proxy.journal import read_journal
 from legorl.proxy.settings import ProxySettings
 from legorl.proxy.testing import FakeEngine, render_prompt
 from legorl.telemetry.traces import trial_span_id, trial_trace_id
+from legorl.trainer.engine_versions import WeightVersions
 from tests.asgi_server import free_port, serve
 
 Scope = MutableMapping[str, Any]
@@ -147,6 +148,8 @@ class RecordingEngine:
 
     def __init__(self, **kwargs: Any) -> None:
         self.fake = FakeEngine(**kwargs)
+        self.inner: Any = self.fake
+        """What serves: the fake, or the fake behind legorl's weight-versions middleware (as vLLM is)."""
         self.answers: list[Answer] = []
         self.paths: list[str] = []
         self.headers: list[dict[str, str]] = []
@@ -160,9 +163,15 @@ class RecordingEngine:
         self.garbage_tokenize = False
         """Answer `/tokenize` with a 200 that is not JSON."""
 
-    def reset(self, *, chunk_tokens: int = 4, delay_per_chunk: float = 0.0) -> None:
-        """A clean slate for the next test (the engine is served once per module)."""
+    def reset(
+        self, *, chunk_tokens: int = 4, delay_per_chunk: float = 0.0, names_versions: bool = False
+    ) -> None:
+        """A clean slate for the next test (the engine is served once per module). `names_versions`:
+        put the real `WeightVersions` middleware in front of the fake, reading the fake's version."""
         self.fake.chunk_tokens, self.fake.delay_per_chunk = chunk_tokens, delay_per_chunk
+        self.inner = (
+            WeightVersions(self.fake, read_version=self._fake_version) if names_versions else self.fake
+        )
         self.fake.version, self.fake.unavailable, self.fake.kv_usage = "0", 0, 0.0
         self.fake.requests.clear()
         self.answers.clear()
@@ -173,13 +182,16 @@ class RecordingEngine:
         self.routing = None
         self.garbage_tokenize = False
 
+    async def _fake_version(self, scope: Scope) -> str:
+        return self.fake.version
+
     @property
     def good_answers(self) -> list[Answer]:
         return [a for a in self.answers if a.complete]
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
-            await self.fake(scope, receive, send)
+            await self.inner(scope, receive, send)
             return
         self.paths.append(scope["path"])
         if scope["path"] == "/tokenize" and self.garbage_tokenize:
@@ -187,7 +199,7 @@ class RecordingEngine:
             await send({"type": "http.response.body", "body": b"<html>busy</html>"})
             return
         if scope["path"] != "/v1/chat/completions":
-            await self.fake(scope, receive, send)
+            await self.inner(scope, receive, send)
             return
         self.headers.append({k.decode().lower(): v.decode() for k, v in scope.get("headers", [])})
         received: list[Message] = []
@@ -243,7 +255,7 @@ class RecordingEngine:
 
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        task = asyncio.ensure_future(self.fake(scope, inner_receive, inner_send))
+        task = asyncio.ensure_future(self.inner(scope, inner_receive, inner_send))
         watcher = asyncio.ensure_future(receive())
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -1468,28 +1480,89 @@ def test_concurrent_calls_are_each_journaled_once(make_stack: MakeStack) -> None
 # -- policy versions, turn budget -----------------------------------------------------------------
 
 
-def test_turns_carry_the_policy_version_the_engine_served(stack: Stack) -> None:
+def swap_weights(engine: Engine, version: str) -> None:
+    """A weight swap as the trainer drives it (vLLM's RL routes, pause mode keep)."""
+    engine.post("/pause", {})
+    engine.post("/finish_weight_update", {"weight_version": version})
+    engine.post("/resume", {})
+
+
+# Both ways the proxy learns the versions: named by the engine with each answer (legorl's middleware, as the
+# fleet's vLLM runs it), or read from /weight_info before and after each call (an engine without it).
+NAMING = pytest.mark.parametrize("names", [True, False], ids=["engine-names-versions", "weight-info-reads"])
+
+
+def assert_version_reads(stack: Stack, names: bool) -> None:
+    reads = stack.engine.app.paths.count("/weight_info")
+    if names:
+        # One read before the first call, before the proxy has seen an answer naming its versions.
+        assert reads == 1, stack.engine.app.paths
+    else:
+        assert reads == 2 * len(stack.engine.app.good_answers)
+
+
+@NAMING
+def test_turns_carry_the_policy_version_the_engine_served(make_stack: MakeStack, names: bool) -> None:
+    stack = make_stack(engine_options={"names_versions": names})
     chat_call(stack, "SAY: one")
-    stack.engine.post("/fake/version", {"version": "v1"})
+    swap_weights(stack.engine, "v1")
     anthropic_call(stack, "SAY: two", stream=True)
-    stack.engine.post("/fake/version", {"version": "v2"})
+    swap_weights(stack.engine, "v2")
     responses_call(stack, "SAY: three")
+    chat_call(stack, "SAY: four", stream=True)
     turns = assert_journal_matches_engine(stack)
-    assert [t["policy_versions"] for t in turns] == [["0"], ["v1"], ["v2"]]
+    assert [t["policy_versions"] for t in turns] == [["0"], ["v1"], ["v2"], ["v2"]]
     assert stack.trajectory()["policyVersions"] == ["0", "v1", "v2"]
+    assert_version_reads(stack, names)
 
 
-def test_a_weight_swap_during_a_call_records_both_versions(make_stack: MakeStack) -> None:
-    stack = make_stack(engine_options={"chunk_tokens": 1, "delay_per_chunk": 0.05})
+@NAMING
+def test_a_weight_swap_during_a_stream_records_both_versions(make_stack: MakeStack, names: bool) -> None:
+    stack = make_stack(engine_options={"chunk_tokens": 1, "delay_per_chunk": 0.05, "names_versions": names})
+    chat_call(stack, "SAY: before")  # the proxy has seen how this engine reports versions
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "SAY: a longer answer"}]}
     with stack.http.stream("POST", "/v1/chat/completions", json=body) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-        stack.engine.post("/fake/version", {"version": "v1"})
-        assert "data: [DONE]" in list(lines)
-    [turn] = assert_journal_matches_engine(stack)
-    assert turn["policy_versions"] == ["0", "v1"]
-    assert [s["policy_versions"] for s in stack.trajectory()["segments"]] == [["0", "v1"]]
+        swap_weights(stack.engine, "v1")  # the engine holds the stream while paused, then goes on
+        rest = list(lines)
+    assert "data: [DONE]" in rest
+    assert not any("legorl-weight-versions" in line for line in rest)  # the engine's note is not passed on
+    chat_call(stack, "SAY: after", stream=True)
+    turns = assert_journal_matches_engine(stack)
+    assert [t["policy_versions"] for t in turns] == [["0"], ["0", "v1"], ["v1"]]
+    assert [s["policy_versions"] for s in stack.trajectory()["segments"]] == [["0"], ["0", "v1"], ["v1"]]
+    assert_version_reads(stack, names)
+
+
+@NAMING
+def test_a_call_held_through_a_swap_records_both_versions(make_stack: MakeStack, names: bool) -> None:
+    # Unstreamed: the engine is paused when the call arrives and answers once resumed on new weights.
+    stack = make_stack(engine_options={"names_versions": names})
+    chat_call(stack, "SAY: before")
+    stack.engine.post("/pause", {})
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(chat_call, stack, "SAY: held")
+        wait_for(lambda: stack.engine.app.in_flight == 1)
+        stack.engine.post("/finish_weight_update", {"weight_version": "v1"})
+        stack.engine.post("/resume", {})
+        held.result(timeout=10)
+    turns = assert_journal_matches_engine(stack)
+    assert [t["policy_versions"] for t in turns] == [["0"], ["0", "v1"]]
+    assert_version_reads(stack, names)
+
+
+def test_an_engine_that_stops_naming_versions_is_read_again(make_stack: MakeStack) -> None:
+    # The fleet's engine restarted without the middleware: the call that finds out has no read from
+    # before it, so its start is unknown; the next ones read /weight_info before and after again.
+    stack = make_stack(engine_options={"names_versions": True})
+    chat_call(stack, "SAY: one")
+    stack.engine.app.inner = stack.engine.app.fake
+    chat_call(stack, "SAY: two")
+    chat_call(stack, "SAY: three", stream=True)
+    turns = assert_journal_matches_engine(stack)
+    assert [t["policy_versions"] for t in turns] == [["0"], ["unknown", "0"], ["0"]]
+    assert stack.engine.app.paths.count("/weight_info") == 1 + 1 + 2
 
 
 def test_a_fixed_policy_version_is_recorded_without_asking_the_engine(make_stack: MakeStack) -> None:

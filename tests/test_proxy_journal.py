@@ -26,6 +26,7 @@ from legorl.proxy.journal import (
     Journal,
     JournalError,
     Recovered,
+    encode_record,
     read_journal,
     turn_from_record,
     turn_to_record,
@@ -538,3 +539,113 @@ def test_a_checksummed_record_whose_routing_does_not_decode_ends_the_journal(tmp
     recovered = read_journal(tmp_path)
     assert len(recovered.records) == 1
     assert recovered.dropped_bytes == len(frame(json.dumps(bad).encode()))
+
+
+# -- request bodies stored as deltas --------------------------------------------------------------
+
+
+def conversation_bodies(turns: int) -> list[str]:
+    """The request bodies of a harness conversation: each sends the whole history so far."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent. " * 80}]
+    bodies = []
+    for k in range(turns):
+        messages.append({"role": "user", "content": f"step {k}: run the tests ✓ " + "x" * 200})
+        bodies.append(json.dumps({"model": "policy", "messages": messages, "stream": k % 2 == 0}))
+        messages.append({"role": "assistant", "content": f"ran them, {k} failed " + "y" * 300})
+    return bodies
+
+
+@pytest.mark.asyncio
+async def test_request_bodies_are_stored_as_deltas_and_read_back_whole(tmp_path: Path) -> None:
+    bodies = conversation_bodies(50)
+    turns = [turn_to_record(make_turn(index=i, request_body=b)) for i, b in enumerate(bodies)]
+    # A turn without a body in the middle (record_bodies off for it): the next one is stored whole.
+    turns[20] = turn_to_record(make_turn(index=20, request_body=None))
+    await write(tmp_path, turns)
+    size = (tmp_path / FILENAME).stat().st_size
+
+    recovered = read_journal(tmp_path)
+    assert recovered.dropped_bytes == 0
+    assert [r["request_body"] for r in recovered.records] == [t["request_body"] for t in turns]
+    assert [turn_from_record(r) for r in recovered.records] == [turn_from_record(t) for t in turns]
+
+    whole = sum(len(encode_record(t)) for t in turns)
+    print(f"50 turns: {size} bytes as deltas, {whole} stored whole ({size / whole:.1%})")
+    assert size < whole / 5
+    stored = [json.loads(payload) for payload in payloads(tmp_path)]
+    assert isinstance(stored[1]["request_body"], dict)  # a delta
+    assert isinstance(stored[21]["request_body"], str)  # after a turn without a body: whole
+
+
+@pytest.mark.asyncio
+async def test_prompts_are_stored_as_deltas_against_the_previous_prompt_and_completion(
+    tmp_path: Path,
+) -> None:
+    # A follow-up's prompt extends the previous prompt and completion (merged turns) or rewrites it.
+    prompt, turns = list(range(500)), []
+    for i in range(8):
+        completion = [7000 + 10 * i + k for k in range(40)]
+        turns.append(
+            turn_to_record(
+                make_turn(
+                    index=i,
+                    prompt_token_ids=prompt,
+                    completion_token_ids=completion,
+                    completion_logprobs=[-0.5] * 40,
+                    routed_experts=None,
+                )
+            )
+        )
+        prompt = prompt + completion + [151645, 198] if i != 4 else [1, 2, 3, *prompt[100:]]
+    await write(tmp_path, turns)
+    recovered = read_journal(tmp_path)
+    assert [turn_from_record(r) for r in recovered.records] == [turn_from_record(t) for t in turns]
+    stored = [json.loads(p) for p in payloads(tmp_path)]
+    kinds = [type(s["prompt_token_ids"]).__name__ for s in stored]
+    keeps = [s["prompt_token_ids"].get("keep") for s in stored]
+    print(kinds, keeps)
+    assert [k is not None for k in keeps] == [False, True, True, True, True, False, True, True]
+    assert keeps[1] == 540  # the whole previous prompt and completion
+
+
+@pytest.mark.asyncio
+async def test_a_reopened_journal_goes_on_with_deltas_against_what_it_recovered(tmp_path: Path) -> None:
+    bodies = conversation_bodies(6)
+    await write(
+        tmp_path, [turn_to_record(make_turn(index=i, request_body=b)) for i, b in enumerate(bodies[:3])]
+    )
+    # A crash tore the fourth record: the reopened journal cuts it and extends the third one's body.
+    with (tmp_path / FILENAME).open("ab") as f:
+        third = turn_to_record(make_turn(index=2, request_body=bodies[2]))
+        f.write(encode_record(turn_to_record(make_turn(index=3, request_body=bodies[3])), third)[:-5])
+    await write(
+        tmp_path, [turn_to_record(make_turn(index=i, request_body=b)) for i, b in enumerate(bodies) if i >= 3]
+    )
+    recovered = read_journal(tmp_path)
+    assert recovered.dropped_bytes == 0
+    assert [r["request_body"] for r in recovered.records] == bodies
+    assert all(isinstance(json.loads(p)["request_body"], dict) for p in payloads(tmp_path)[1:])
+
+
+def test_a_delta_without_its_base_is_corruption_not_a_body(tmp_path: Path) -> None:
+    body = conversation_bodies(2)[1]
+    good = encode_record(turn_to_record(make_turn(index=0, request_body="short")))
+    # Checksummed and well-formed, but it extends a body the journal does not hold.
+    orphan = encode_record(
+        turn_to_record(make_turn(index=1, request_body=body)),
+        turn_to_record(make_turn(index=0, request_body=body[:-10])),
+    )
+    (tmp_path / FILENAME).write_bytes(good + orphan)
+    recovered = read_journal(tmp_path)
+    assert [r["request_body"] for r in recovered.records] == ["short"]
+    assert recovered.dropped_bytes == len(orphan)
+
+
+def payloads(directory: Path) -> list[bytes]:
+    data = (directory / FILENAME).read_bytes()
+    out, pos = [], 0
+    while pos < len(data):
+        (length,) = struct.unpack_from("<I", data, pos)
+        out.append(data[pos + 8 : pos + 8 + length])
+        pos += 8 + length
+    return out

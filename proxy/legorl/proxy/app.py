@@ -50,7 +50,7 @@ from legorl.proxy.journal import turn_to_record
 from legorl.proxy.metrics import Metrics
 from legorl.proxy.settings import ProxySettings
 from legorl.proxy.trial import Trial
-from legorl.proxy.upstream import Upstream
+from legorl.proxy.upstream import Served, Upstream
 from legorl.sandbox import changes
 from legorl.telemetry.traces import trace_headers, trial_context
 
@@ -385,8 +385,8 @@ class ProxyApp:
         if self.settings.admission_kv_usage is not None and self.trial.next_index == 0:
             await self._admit_session()
         started_at = datetime.now(UTC)
-        version_before = await self.upstream.policy_version()
-        assert version_before is not None
+        served = Served()
+        version_before = await self.upstream.policy_version() if self.upstream.reads_versions else None
         try:
             engine_started = time.perf_counter()
             try:
@@ -394,7 +394,7 @@ class ProxyApp:
                     "engine chat.completions", kind=SpanKind.CLIENT, attributes=self._trial_attributes
                 ):
                     headers = trace_headers() if self._trial_context is not None else None
-                    comp = await self._engine(call, headers)
+                    comp = await self._engine(call, headers, served)
             finally:
                 self.metrics.observe("legorl_proxy_engine_seconds", time.perf_counter() - engine_started)
             if comp is None:
@@ -403,10 +403,7 @@ class ProxyApp:
                 raise ProxyError(
                     "engine_error", "the engine aborted the call (a weight update with pause mode abort?)"
                 )
-            # Read without waiting: the answer is in hand, and an engine gone quiet right after it
-            # must not cost the turn. "unknown" marks a turn whose weights cannot be vouched for.
-            version_after = await self.upstream.policy_version(wait=False) or "unknown"
-            versions = [version_before] + ([version_after] if version_after != version_before else [])
+            versions = await self.upstream.call_versions(version_before, served)
             final = _json_bytes(call.fmt.response(call.prepared, comp))
             turn = self.trial.build_turn(
                 call.fmt.API_FORMAT,
@@ -464,20 +461,20 @@ class ProxyApp:
             await asyncio.sleep(self.settings.admission_poll_seconds)
         self.metrics.observe("legorl_proxy_admission_wait_seconds", time.perf_counter() - started)
 
-    async def _engine(self, call: _Call, headers: dict[str, str] | None = None) -> Completion | None:
+    async def _engine(self, call: _Call, headers: dict[str, str] | None, served: Served) -> Completion | None:
         """The engine's whole answer, streaming deltas on to the harness as they come when both
         sides stream; None if the harness went away mid-stream. `headers` go to the engine with
-        the call (the trace's `traceparent`)."""
+        the call (the trace's `traceparent`); `served` gets what the engine said besides."""
         assert self.upstream is not None
         body = call.prepared.body
         streaming = call.encoder is not None and not self.settings.capture_routed_experts
         body["stream"] = streaming
         if not streaming:
             body.pop("stream_options", None)
-            return completion_from_response(await self.upstream.complete(body, headers))
+            return completion_from_response(await self.upstream.complete(body, headers, served))
         assert call.encoder is not None
         acc = StreamAccumulator()
-        async with aclosing(self.upstream.stream(body, headers)) as chunks:
+        async with aclosing(self.upstream.stream(body, headers, served)) as chunks:
             async for batch in chunks:
                 out: list[bytes] = []
                 for data in batch:

@@ -13,6 +13,14 @@ uint16 with their shape) straight from their numpy array. Records read back hold
 token ids and log-probs and a numpy array (rows, layers, top_k) for routed experts; journals
 written before (routing as a flat `u2` array next to `routed_experts_shape`) read the same way.
 
+A turn's `request_body` (the harness's whole request, kept for the trajectory viewer) and its
+`prompt_token_ids` repeat the conversation so far, so stored whole they would grow the journal
+quadratically with a conversation's length. Each is stored as a delta against the previous turn record
+when that saves anything: `{"$delta": "previous", "keep": N, "add": ...}` is the first N items of the
+previous turn's value followed by `add` (for the body: its characters; for the prompt: the previous
+turn's prompt and completion token ids, which a follow-up's prompt extends). Reading rebuilds both
+whole, in file order, so every reader sees what was sent.
+
 A record is acknowledged once its bytes and the file are fsync'd; the proxy answers the harness
 only after that. A crash can leave a torn tail (a short header, a short payload, or a payload
 whose checksum does not match): opening the journal detects it, truncates the file back to the
@@ -75,6 +83,65 @@ _PACKED: dict[str, str] = {
     "completion_logprobs": "f8",
 }
 _TYPECODE = {"i4": "i", "f8": "d", "u2": "H"}
+_DELTA_MIN_KEEP = 64
+"""A shorter shared prefix is stored whole: the delta's own keys would cost about as much."""
+
+
+def _shared_prefix(a: Any, b: Any) -> int:
+    """Length of the longest common prefix of two strings or lists; a binary search of slice
+    comparisons (C speed), not an item loop in Python."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while low < high - 1:  # a[:low] == b[:low] and a[:high] != b[:high]
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+@dataclass
+class _Previous:
+    """What the next turn record's deltas are against: the last turn record's body and tokens."""
+
+    body: str | None = None
+    tokens: list[int] | None = None
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> _Previous:
+        body, prompt, completion = (
+            record.get("request_body"),
+            record.get("prompt_token_ids"),
+            record.get("completion_token_ids"),
+        )
+        tokens = prompt + completion if isinstance(prompt, list) and isinstance(completion, list) else None
+        return cls(body if isinstance(body, str) else None, tokens)
+
+
+def _delta(value: Any, previous: Any, kind: type[str] | type[list[Any]]) -> Any:
+    if not isinstance(value, kind) or previous is None:
+        return value
+    keep = _shared_prefix(previous, value)
+    if keep < _DELTA_MIN_KEEP:
+        return value
+    return {"$delta": "previous", "keep": keep, "add": value[keep:]}
+
+
+def _whole(value: Any, previous: Any, kind: type[str] | type[list[Any]]) -> Any:
+    if not isinstance(value, dict) or "$delta" not in value:
+        return value
+    keep, add = value.get("keep"), value.get("add")
+    if (
+        value["$delta"] != "previous"
+        or previous is None
+        or not isinstance(keep, int)
+        or not 0 <= keep <= len(previous)
+        or not isinstance(add, kind)
+    ):
+        raise ValueError("a delta without the value it extends")
+    return previous[:keep] + add
 
 
 def _pack(values: list[Any], kind: str) -> dict[str, str] | list[Any]:
@@ -100,7 +167,11 @@ def _unpack(value: Any) -> Any:
 def _unpack_record(record: dict[str, Any]) -> dict[str, Any]:
     for key in _PACKED:
         if key in record:
-            record[key] = _unpack(record[key])
+            value = record[key]
+            if isinstance(value, dict) and "$delta" in value:
+                record[key] = {**value, "add": _unpack(value.get("add"))}
+            else:
+                record[key] = _unpack(value)
     if record.get("routed_experts") is not None:
         record["routed_experts"] = decode_routing(
             record["routed_experts"], record.get("routed_experts_shape")
@@ -111,6 +182,7 @@ def _unpack_record(record: dict[str, Any]) -> dict[str, Any]:
 def _scan(data: bytes) -> tuple[list[dict[str, Any]], int]:
     """Whole records in `data` and the offset just past the last one."""
     records: list[dict[str, Any]] = []
+    previous = _Previous()
     pos = 0
     while pos + _HEADER.size <= len(data):
         length, crc = _HEADER.unpack_from(data, pos)
@@ -128,7 +200,14 @@ def _scan(data: bytes) -> tuple[list[dict[str, Any]], int]:
         if not isinstance(record, dict):
             break
         try:
-            records.append(_unpack_record(record))
+            record = _unpack_record(record)
+            if record.get("type") == "turn":
+                if "request_body" in record:
+                    record["request_body"] = _whole(record["request_body"], previous.body, str)
+                if "prompt_token_ids" in record:
+                    record["prompt_token_ids"] = _whole(record["prompt_token_ids"], previous.tokens, list)
+                previous = _Previous.of(record)
+            records.append(record)
         except (ValueError, TypeError, KeyError):
             break  # a checksummed record that does not decode is corruption all the same
         pos = end
@@ -145,12 +224,22 @@ def read_journal(directory: str | Path) -> Recovered:
     return Recovered(records=records, dropped_bytes=len(data) - end)
 
 
-def encode_record(record: dict[str, Any]) -> bytes:
-    """A record as framed bytes; its long numeric arrays are packed (see the module docstring)."""
+def encode_record(record: dict[str, Any], previous_turn: dict[str, Any] | None = None) -> bytes:
+    """A record as framed bytes; its long numeric arrays are packed and a turn's request body and prompt
+    are deltas against `previous_turn`, the journal's previous turn record (see the module docstring)."""
     packed = dict(record)
+    if record.get("type") == "turn" and previous_turn is not None:
+        previous = _Previous.of(previous_turn)
+        if "request_body" in record:
+            packed["request_body"] = _delta(record["request_body"], previous.body, str)
+        if "prompt_token_ids" in record:
+            packed["prompt_token_ids"] = _delta(record["prompt_token_ids"], previous.tokens, list)
     for key, kind in _PACKED.items():
-        if isinstance(packed.get(key), list):
-            packed[key] = _pack(packed[key], kind)
+        value = packed.get(key)
+        if isinstance(value, list):
+            packed[key] = _pack(value, kind)
+        elif isinstance(value, dict) and isinstance(value.get("add"), list):
+            packed[key] = {**value, "add": _pack(value["add"], kind)}
     if isinstance(packed.get("routed_experts"), np.ndarray):
         packed["routed_experts"] = routing_to_json(packed["routed_experts"])
     payload = fastjson.dumps(packed)
@@ -181,6 +270,9 @@ class Journal:
         data = self.path.read_bytes() if self.path.exists() else b""
         records, end = _scan(data)
         self.recovered = Recovered(records=records, dropped_bytes=len(data) - end)
+        turns = [r for r in records if r.get("type") == "turn"]
+        self._previous_turn: dict[str, Any] | None = turns[-1] if turns else None
+        """The last turn record, which the next one's deltas are against."""
         # O_APPEND after truncating the torn tail: every write lands at the end, whole.
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         if end != len(data):
@@ -246,7 +338,11 @@ class Journal:
 
     async def append(self, record: dict[str, Any]) -> None:
         """Write one record and wait until it is on disk; raises JournalError if it is not."""
-        data = encode_record(record)
+        data = encode_record(record, self._previous_turn)
+        if record.get("type") == "turn":
+            # In step with the file: records reach it in the order they are encoded here (one loop, one
+            # queue); after a failed write the journal refuses every later record.
+            self._previous_turn = record
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
 

@@ -63,8 +63,9 @@ class ProxySettings(BaseModel):
     policy_version: str = "v0"
     """Version recorded when the engine cannot report one (no `/weight_info`)."""
     policy_version_source: Literal["engine", "fixed"] = "engine"
-    """`engine`: read `GET /weight_info` before and after each call, recording every version the
-    call may have seen; `fixed`: record `policy_version`."""
+    """`engine`: record the versions the engine names with each answer (legorl's middleware in the
+    fleet's vLLM, `legorl.api.weight_versions`), or where it names none, read `GET /weight_info`
+    before and after each call and record both; `fixed`: record `policy_version`."""
 
     connect_timeout_seconds: Annotated[float, Field(gt=0)] = 5.0
     """Limit for opening a connection to the engine."""

@@ -11,6 +11,8 @@ Markers in the last user message steer it: `CALL_TOOL` (answer with a tool call)
 `DROP` (close the stream half-way), `FAIL500` (an internal error), `SAY:<text>` (reply <text>).
 `POST /fake/unavailable {"count": N}` makes the next N calls answer 503 (a weight swap);
 `POST /fake/version {"version": "v1"}` changes what `/weight_info` reports;
+`POST /pause`, `POST /finish_weight_update {"weight_version": "v1"}` and `POST /resume` swap weights as
+vLLM's RL routes do with `mode=keep` (a paused engine holds its calls and streams where they are);
 `POST /fake/kv {"usage": 0.97}` sets the KV cache usage `/metrics` reports.
 """
 
@@ -82,6 +84,12 @@ class FakeEngine:
         self.requests: list[dict[str, Any]] = []
         self.record_requests = True
         self.kv_usage = 0.0
+        self._running: asyncio.Event | None = None
+
+    async def running(self) -> None:
+        """Returns at once unless paused; then when resumed."""
+        if self._running is not None:
+            await self._running.wait()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -117,6 +125,18 @@ class FakeEngine:
         elif path == "/fake/version":
             self.version = str(data["version"])
             await self._json(send, 200, {})
+        elif path == "/pause" and method == "POST":
+            if self._running is None:
+                self._running = asyncio.Event()
+            self._running.clear()
+            await self._json(send, 200, {"status": "paused"})
+        elif path == "/resume" and method == "POST":
+            if self._running is not None:
+                self._running.set()
+            await self._json(send, 200, {"status": "resumed"})
+        elif path == "/finish_weight_update" and method == "POST":
+            self.version = str(data["weight_version"])
+            await self._json(send, 200, {"message": "Weight update finished"})
         elif path == "/tokenize":
             ids = render_prompt(data.get("messages", []))
             await self._json(send, 200, {"count": len(ids), "tokens": ids, "max_model_len": 4096})
@@ -195,6 +215,7 @@ class FakeEngine:
             return
         if "HANG" in last:
             await asyncio.sleep(3600)
+        await self.running()
         prompt = render_prompt(messages)
         text, calls, finish = self._answer(request, last)
         content_ids = _encode(text or "".join(json.dumps(c["function"]) for c in calls))
@@ -279,6 +300,7 @@ class FakeEngine:
         for k in range(n_chunks):
             if self.delay_per_chunk:
                 await asyncio.sleep(self.delay_per_chunk)
+            await self.running()
             if "DROP" in last and k >= n_chunks // 2:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return

@@ -21,12 +21,13 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 
+from legorl.api import weight_versions
 from legorl.proxy import _json as fastjson
 from legorl.proxy.errors import ProxyError
 from legorl.proxy.metrics import Metrics
 from legorl.proxy.settings import ProxySettings
 
-__all__ = ["Upstream", "classify_engine_error"]
+__all__ = ["Served", "Upstream", "classify_engine_error"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,16 @@ def classify_engine_error(status: int, body: bytes) -> ProxyError:
     return ProxyError("engine_error", f"the engine answered {status}: {message}")
 
 
+class Served:
+    """What the engine said about one call besides the answer: the weight versions that served it
+    (`legorl.api.weight_versions`), or None when it did not say."""
+
+    __slots__ = ("versions",)
+
+    def __init__(self) -> None:
+        self.versions: list[str] | None = None
+
+
 class Upstream:
     """The rollout engine, reached over HTTP or a Unix socket."""
 
@@ -98,6 +109,37 @@ class Upstream:
             ),
         )
         self._version_supported = settings.policy_version_source == "engine"
+        self.engine_names_versions = False
+        """The engine's answers name the versions that served them (legorl's middleware in vLLM): no
+        `/weight_info` reads around the calls. Learned from the first answer that does."""
+
+    @property
+    def reads_versions(self) -> bool:
+        """Whether a call needs `GET /weight_info` before it (the engine names no versions)."""
+        return self._version_supported and not self.engine_names_versions
+
+    async def call_versions(self, before: str | None, served: Served) -> list[str]:
+        """The weight versions that may have served a call: those the engine named with the answer, else
+        `before` (read before the call) and a read now. Never an empty list."""
+        if not self._version_supported:
+            return [self.settings.policy_version]
+        if served.versions is not None:
+            if not self.engine_names_versions:
+                log.info("the engine names the weight versions that served each call; no /weight_info reads")
+                self.engine_names_versions = True
+            return served.versions
+        if self.engine_names_versions:
+            log.warning(
+                "the engine stopped naming the weight versions that served its answers (restarted without "
+                "legorl's middleware?); reading /weight_info around each call again"
+            )
+            self.engine_names_versions = False
+        # Without a read before the call (the engine was expected to name them), the start is unknown.
+        start = before or "unknown"
+        # Read without waiting: the answer is in hand, and an engine gone quiet right after it must not
+        # cost the turn. "unknown" marks a turn whose weights cannot be vouched for.
+        after = await self.policy_version(wait=False) or "unknown"
+        return [start] + ([after] if after != start else [])
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -174,10 +216,12 @@ class Upstream:
                 await response.aclose()
 
     async def complete(
-        self, body: dict[str, Any], headers: Mapping[str, str] | None = None
+        self, body: dict[str, Any], headers: Mapping[str, str] | None = None, served: Served | None = None
     ) -> dict[str, Any]:
-        """A non-streaming call; the parsed JSON body."""
+        """A non-streaming call; the parsed JSON body. `served` gets the versions the engine named."""
         async with self._send("POST", "/v1/chat/completions", body, stream=True, headers=headers) as response:
+            if served is not None and (named := response.headers.get(weight_versions.HEADER)) is not None:
+                served.versions = weight_versions.decode(named)
             try:
                 content = await response.aread()
             except httpx.TimeoutException as exc:
@@ -195,12 +239,13 @@ class Upstream:
         return data
 
     async def stream(
-        self, body: dict[str, Any], headers: Mapping[str, str] | None = None
+        self, body: dict[str, Any], headers: Mapping[str, str] | None = None, served: Served | None = None
     ) -> AsyncGenerator[list[bytes], None]:
         """A streaming call; yields the SSE `data:` payloads that arrived together, as a batch.
 
         Whatever one socket read brought is handled (and relayed to the harness) at once: the
-        batching adds no wait, and it spares a write per event when the engine is ahead.
+        batching adds no wait, and it spares a write per event when the engine is ahead. `served`
+        gets the versions of the stream's closing comment, if the engine sent one.
         """
         async with self._send("POST", "/v1/chat/completions", body, stream=True, headers=headers) as response:
             pending = b""
@@ -210,16 +255,22 @@ class Upstream:
                     if b"\r" in pending:  # normalised on the buffer: a CRLF may straddle two reads
                         pending = pending.replace(b"\r\n", b"\n")
                     *events, pending = pending.split(b"\n\n")
-                    batch = [
-                        line[5:].strip()
-                        for event in events
-                        for line in event.split(b"\n")
-                        if line.startswith(b"data:")
-                    ]
+                    batch = []
+                    for event in events:
+                        for line in event.split(b"\n"):
+                            if line.startswith(b"data:"):
+                                batch.append(line[5:].strip())
+                            elif served is not None and line.startswith(weight_versions.SSE_PREFIX):
+                                served.versions = weight_versions.decode(
+                                    line[len(weight_versions.SSE_PREFIX) :]
+                                )
                     if batch:
                         yield batch
-                if pending.strip().startswith(b"data:"):
-                    yield [pending.strip()[5:].strip()]
+                tail = pending.strip()
+                if tail.startswith(b"data:"):
+                    yield [tail[5:].strip()]
+                elif served is not None and tail.startswith(weight_versions.SSE_PREFIX):
+                    served.versions = weight_versions.decode(tail[len(weight_versions.SSE_PREFIX) :])
             except httpx.TimeoutException as exc:
                 self._upstream_error("timeout")
                 raise ProxyError("engine_error", "the engine went silent mid-stream", status=504) from exc

@@ -33,6 +33,8 @@ STS_POD_INDEX = "apps.kubernetes.io/pod-index"
 WEIGHT_TRANSFER_BACKEND = {"Filesystem": "legorl_filesystem", "NCCL": "nccl"}
 """vLLM weight-transfer backend per sync method (the Filesystem one is legorl's worker extension)."""
 WORKER_EXTENSION = "legorl.trainer.weight_sync.FilesystemWeightTransfer"
+VERSIONS_MIDDLEWARE = "legorl.trainer.engine_versions.WeightVersions"
+"""Names the weight versions that served each answer, so the proxies need no `/weight_info` per call."""
 
 
 class RenderError(ValueError):
@@ -120,8 +122,25 @@ def vllm_args(fleet: RolloutFleet, model_arg: str, extra: list[str]) -> list[str
     backend = WEIGHT_TRANSFER_BACKEND[spec.weight_sync.method]
     args += ["--weight-transfer-config", json.dumps({"backend": backend}, separators=(",", ":"))]
     if spec.weight_sync.method == "Filesystem":
+        # Both need legorl in the engine image, which the Filesystem extension already does. Several API
+        # server processes would each see only the swaps they served: there the proxies read /weight_info.
         args += ["--worker-extension-cls", WORKER_EXTENSION]
+        if not _several_api_servers(settings.extra_args):
+            args += ["--middleware", VERSIONS_MIDDLEWARE]
     return args + list(settings.extra_args)
+
+
+def _several_api_servers(extra_args: list[str]) -> bool:
+    """Whether `extra_args` asks vLLM for more than one API server process (`--api-server-count N`,
+    `--api-server-count=N`, `-asc N`)."""
+    for i, arg in enumerate(extra_args):
+        name, eq, value = arg.partition("=")
+        if name not in ("--api-server-count", "-asc"):
+            continue
+        if not eq:
+            value = extra_args[i + 1] if i + 1 < len(extra_args) else ""
+        return not value.isdigit() or int(value) != 1
+    return False
 
 
 def _engine_env(fleet: RolloutFleet) -> list[dict[str, Any]]:
