@@ -694,8 +694,8 @@ def test_responses(shared: Stack, stream: bool, tools: bool) -> None:
         assert (reply.text, reply.tool_calls, reply.stop) == ("hello there\n!", [], "completed")
     sent = stack.engine.app.fake.requests[-1]
     assert sent["messages"] == [
-        {"role": "system", "content": "Instructions."},
-        {"role": "system", "content": "Be terse."},
+        # The instructions and the developer item: leading system messages, joined into one.
+        {"role": "system", "content": "Instructions.\n\nBe terse."},
         {"role": "user", "content": f"{prompt}\n!"},
     ]
     assert (sent["temperature"], sent["top_p"]) == (0.3, 0.7)
@@ -1632,6 +1632,29 @@ def test_models_health_and_the_head_probe(shared: Stack) -> None:
     assert stack.http.get("/health").json() == {"status": "ok"}
     assert stack.http.get("/healthz").status_code == 200
     assert stack.http.get("/ready").json() == {"ready": True}
+
+
+def test_a_system_message_after_the_prompt_reaches_the_engine_as_a_user_message(shared: Stack) -> None:
+    # Claude Code sends one after the user's prompt; Qwen3-family templates refuse a system message that
+    # is not first (tests/test_proxy_formats.py renders one).
+    stack = shared
+    stack.anth.messages.create(
+        model="claude-test",
+        max_tokens=64,
+        system="Be terse.",
+        messages=[
+            {"role": "user", "content": "SAY: done"},
+            {"role": "system", "content": "Available agent types: general."},
+        ],
+    )
+    sent = stack.engine.app.fake.requests[-1]
+    assert sent["messages"] == [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "SAY: done"},
+        {"role": "user", "content": "Available agent types: general."},
+    ]
+    [turn] = journal_turns(stack.journal)[stack.turns_before :]
+    assert turn["prompt_token_ids"] == render_prompt(sent["messages"])
 
 
 def test_count_tokens_uses_the_engine_template(shared: Stack) -> None:

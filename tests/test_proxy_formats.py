@@ -40,6 +40,7 @@ from legorl.proxy.formats.common import (
     StreamAccumulator,
     completion_from_response,
     events_from_completion,
+    system_first,
 )
 from legorl.proxy.settings import ProxySettings
 from legorl.proxy.trial import decode_routed_experts
@@ -218,7 +219,9 @@ def test_a_claude_code_request_becomes_chat_messages() -> None:
             "tool_call_id": "toolu_01Cq7xWmF2yVnRk8LdE4pT6Z",
             "content": "tests/test_parser.py:4:    assert parse([]) is None",
         },
-        {"role": "system", "content": "Note: /repo/parser.py was modified by the user after it was read."},
+        # A system message after the conversation began goes on as a user message, where it was
+        # (Qwen3-family templates refuse a system message that is not first; see common.system_first).
+        {"role": "user", "content": "Note: /repo/parser.py was modified by the user after it was read."},
         {"role": "user", "content": "Keep the change minimal."},
     ]
     body = dict(prepared.body)
@@ -266,8 +269,8 @@ def test_a_codex_request_becomes_chat_messages() -> None:
     items = request["input"]
     shell, update_plan = request["tools"][:2]
     expected_messages = [
-        {"role": "system", "content": request["instructions"]},
-        {"role": "system", "content": items[0]["content"][0]["text"]},
+        # The instructions and the developer item lead: joined into one system message.
+        {"role": "system", "content": request["instructions"] + "\n\n" + items[0]["content"][0]["text"]},
         {"role": "user", "content": items[1]["content"][0]["text"]},
         {"role": "user", "content": items[2]["content"][0]["text"]},
         {"role": "user", "content": "tests/test_parser.py::test_empty_input fails. Fix it."},
@@ -1572,3 +1575,44 @@ def test_failed_anthropic_and_responses_streams_end_with_an_error_event() -> Non
     RESPONSES_EVENT.validate_python(failed, strict=True)
     assert failed["response"]["status"] == "failed"
     assert failed["sequence_number"] == len(head) + 1
+
+
+# Qwen3's rule, as its chat templates spell it: a system message anywhere but first is an error.
+STRICT_TEMPLATE = """\
+{%- for message in messages %}
+    {%- if message.role == 'system' and not loop.first %}
+        {{- raise_exception('System message must be at the beginning.') }}
+    {%- endif %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endfor %}
+{{- '<|im_start|>assistant\\n' }}"""
+
+
+def test_system_messages_after_the_first_are_sent_so_a_strict_template_renders_them() -> None:
+    from transformers.utils.chat_template_utils import render_jinja_template  # noqa: PLC0415
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        rendered: Any = render_jinja_template(conversations=[messages], chat_template=STRICT_TEMPLATE)
+        return str(rendered[0][0])
+
+    harness = [
+        {"role": "system", "content": "You are Claude Code."},
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Fix the test."},
+        {"role": "system", "content": "Available agent types: general."},
+    ]
+    with pytest.raises(Exception, match="System message must be at the beginning"):
+        render(harness)
+    sent = system_first(harness)
+    assert sent == [
+        {"role": "system", "content": "You are Claude Code.\n\nBe terse."},
+        {"role": "user", "content": "Fix the test."},
+        {"role": "user", "content": "Available agent types: general."},
+    ]
+    assert render(sent).endswith(
+        "<|im_start|>user\nAvailable agent types: general.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # What is already well-formed is sent as it is (the same list: nothing copied).
+    plain = harness[1:3]
+    assert system_first(plain) is plain
+    assert system_first(harness[2:3]) == harness[2:3]

@@ -2,7 +2,8 @@
 
 What Claude Code sends beyond the engine's reach is accepted and dropped, not refused:
 `thinking`, `cache_control`, `metadata`, `context_management`, `output_config`, betas, and
-`role: "system"` entries inside `messages` (they become system messages).
+`role: "system"` entries inside `messages` (they become user messages where they are, see
+`common.system_first`).
 """
 
 from __future__ import annotations

@@ -351,6 +351,45 @@ def function_tool(tool: dict[str, Any], parameters: Any, where: str) -> dict[str
     return {"type": "function", "function": function}
 
 
+def _text_content(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages every chat template accepts: system messages only at the start, as one.
+
+    Harnesses send system messages later on (Claude Code puts one after the user's prompt); the
+    chat templates of the Qwen3 family refuse a system message that is not first. The leading system
+    messages are joined into one (blank line between), and a later one becomes a user message with its
+    text unchanged, where it was. Merging it into the first system message instead would rewrite the
+    start of the prompt whenever a harness adds one: every later turn would stop extending the
+    previous one (no merged segments) and the engine's prefix cache would miss; re-roling keeps the
+    prompt growing at the end, at the cost of the model reading that text as the user's. The engine
+    renders and tokenizes what it is sent, so the tokens the trainer sees are still the engine's.
+    """
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") == "system":
+        lead += 1
+    if lead <= 1 and all(m.get("role") != "system" for m in messages[lead:]):
+        return messages
+    out: list[dict[str, Any]] = []
+    if lead:
+        first = messages[0] if lead == 1 else {"role": "system"}
+        if lead > 1:
+            first["content"] = "\n\n".join(_text_content(m.get("content")) for m in messages[:lead])
+        out.append(first)
+    for message in messages[lead:]:
+        if message.get("role") == "system":
+            out.append({"role": "user", "content": message.get("content")})
+        else:
+            out.append(message)
+    return out
+
+
 def engine_body(
     *,
     messages: list[dict[str, Any]],
@@ -369,7 +408,7 @@ def engine_body(
     enforced over the harness's (`settings` is the proxy's `ProxySettings`)."""
     body: dict[str, Any] = {
         "model": settings.served_model_name,
-        "messages": messages,
+        "messages": system_first(messages),
         "stream": stream,
         "logprobs": True,
         "return_token_ids": True,
