@@ -786,6 +786,44 @@ def _responses_conversation(stack: Stack) -> None:
     responses_call(stack, "", input=items)
 
 
+@pytest.mark.parametrize(
+    ("sent_back", "merges"),
+    [
+        ('{"command":"ls -la"}', True),  # OpenCode's re-serialisation: the same JSON, other spacing
+        ('{\n  "command": "ls -la"\n}', True),
+        ('{"command":"ls"}', False),  # another value: sent as the harness wrote it, a new segment
+        ("not json", False),
+    ],
+    ids=["compact", "indented", "other-value", "not-json"],
+)
+def test_tool_calls_sent_back_re_serialised_still_merge(stack: Stack, sent_back: str, merges: bool) -> None:
+    first = stack.oai.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "CALL_TOOL"}], tools=TOOLS_CHAT
+    )
+    [call] = first.choices[0].message.tool_calls or []
+    assert call.function.arguments == json.dumps(TOOL_ARGUMENTS)  # the engine's own spelling
+    history: Any = [
+        {"role": "user", "content": "CALL_TOOL"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": "bash", "arguments": sent_back}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "a.py"},
+        {"role": "user", "content": "SAY: done"},
+    ]
+    stack.oai.chat.completions.create(model="m", messages=history, tools=TOOLS_CHAT)
+    sent = stack.engine.app.fake.requests[-1]["messages"][1]["tool_calls"][0]["function"]["arguments"]
+    assert sent == (call.function.arguments if merges else sent_back)
+    trajectory = stack.trajectory()
+    assert (trajectory["mergedTurnShare"], len(trajectory["segments"])) == ((1.0, 1) if merges else (0.0, 2))
+    restored = metric(stack.metrics(), "legorl_proxy_tool_arguments_restored_total")
+    assert restored == (1 if merges else 0)
+    assert_journal_matches_engine(stack)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_conversation_merges_into_one_segment(stack: Stack, fmt: str) -> None:
     {"chat": _chat_conversation, "anthropic": _anthropic_conversation, "responses": _responses_conversation}[

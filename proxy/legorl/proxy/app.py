@@ -349,6 +349,7 @@ class ProxyApp:
                     raise
                 try:
                     prepared = fmt.prepare(body, self.settings)
+                    self.trial.restore_tool_arguments(prepared.body["messages"])
                     span.set_attribute("legorl.stream", prepared.stream)
                     call = _Call(
                         fmt=fmt,
@@ -418,6 +419,7 @@ class ProxyApp:
                 return "disconnected"  # never acknowledged: the harness will ask again
             with self.tracer.start_as_current_span("journal append"):
                 turn = await self.trial.record(turn)
+            self.trial.remember_tool_calls(comp.tool_calls)
         except ProxyError as error:
             if not call.headers_sent:
                 raise

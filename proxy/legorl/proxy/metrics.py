@@ -26,6 +26,11 @@ PROXY_METRICS: tuple[tuple[str, str, str], ...] = (
     ("legorl_proxy_tokens_out_total", "counter", "Completion tokens journaled."),
     ("legorl_proxy_engine_retries_total", "counter", "Engine calls retried (503, refused)."),
     ("legorl_proxy_unexpected_format_total", "counter", "Calls in another API than configured."),
+    (
+        "legorl_proxy_tool_arguments_restored_total",
+        "counter",
+        "Tool calls sent back re-serialised whose arguments went to the engine in its own spelling.",
+    ),
     ("legorl_proxy_admission_timeouts_total", "counter", "Sessions admitted after the longest wait."),
     ("legorl_proxy_admission_wait_seconds", "histogram", "Time a new session waited for KV room."),
     ("legorl_proxy_request_seconds", "histogram", "Whole call latency, proxy to engine and back."),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import logging
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -20,7 +21,7 @@ import numpy as np
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import ApiFormat, ExpertIds, TrajectoryError, Turn, routing_array
 from legorl.proxy.errors import ProxyError
-from legorl.proxy.formats.common import Completion
+from legorl.proxy.formats.common import Completion, ToolCall
 from legorl.proxy.journal import Journal, JournalError, turn_from_record, turn_to_record
 from legorl.proxy.metrics import Metrics
 from legorl.proxy.segments import Assembler
@@ -71,6 +72,16 @@ class EndState:
         }
 
 
+def _canonical(arguments: Any) -> str | None:
+    """A JSON text in one spelling (sorted keys, no spaces), or None if it is not JSON."""
+    if not isinstance(arguments, str):
+        return None
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except ValueError:
+        return None
+
+
 class Trial:
     """The trial's turns, journaled before any harness sees an answer."""
 
@@ -79,6 +90,10 @@ class Trial:
         self.metrics = metrics
         self.journal = Journal(settings.journal, fsync=settings.fsync, on_sync=self._on_sync)
         self.turns: list[Turn] = []
+        self.tool_arguments: dict[str, str] = {}
+        """The engine's own spelling of the arguments of every tool call it answered this trial, by
+        call id (see `restore_tool_arguments`); in memory only: after a restart, earlier calls merge
+        only if the harness sends their arguments back unchanged."""
         self.end: EndState | None = None
         self.last_failure: ProxyError | None = None
         self.errors: dict[str, int] = {}
@@ -188,6 +203,37 @@ class Trial:
                 "engine_error", f"the engine's answer breaks the trajectory contract: {exc}"
             ) from exc
         return turn
+
+    def remember_tool_calls(self, calls: list[ToolCall]) -> None:
+        for call in calls:
+            self.tool_arguments[call.id] = call.arguments
+
+    def restore_tool_arguments(self, messages: list[dict[str, Any]]) -> int:
+        """Put the engine's own spelling back on tool calls the harness sends back re-serialised.
+
+        Some harnesses (OpenCode) send an earlier tool call's arguments back as they re-serialised them
+        (`{"command":"ls"}` for the engine's `{"command": "ls"}`): the same JSON, other text, so the
+        engine's template renders other tokens and the turn cannot extend the one that sampled the
+        call. Where the call id is one the engine answered and the arguments are the same JSON value
+        (compared in a canonical form: `true` is not `1`), the engine's string goes to the engine
+        instead, so the prompt it renders holds the very tokens it sampled. Nothing else changes: the
+        tokens recorded are still the engine's own. Returns how many calls were restored."""
+        restored = 0
+        for message in messages:
+            if message.get("role") != "assistant":
+                continue
+            for call in message.get("tool_calls") or []:
+                function = call.get("function") if isinstance(call, dict) else None
+                original = self.tool_arguments.get(call.get("id")) if isinstance(function, dict) else None
+                if original is None or function is None or function.get("arguments") == original:
+                    continue
+                canonical = _canonical(original)
+                if canonical is not None and _canonical(function.get("arguments")) == canonical:
+                    function["arguments"] = original
+                    restored += 1
+        if restored:
+            self.metrics.inc("legorl_proxy_tool_arguments_restored_total", restored)
+        return restored
 
     async def record(self, turn: Turn) -> Turn:
         """Journal the turn durably; only then may the harness see the answer."""
