@@ -801,6 +801,7 @@ def test_tool_calls_sent_back_re_serialised_still_merge(stack: Stack, sent_back:
         model="m", messages=[{"role": "user", "content": "CALL_TOOL"}], tools=TOOLS_CHAT
     )
     [call] = first.choices[0].message.tool_calls or []
+    assert call.type == "function"
     assert call.function.arguments == json.dumps(TOOL_ARGUMENTS)  # the engine's own spelling
     history: Any = [
         {"role": "user", "content": "CALL_TOOL"},
