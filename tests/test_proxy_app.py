@@ -1927,3 +1927,96 @@ def test_admission_limits_calls_in_the_engine(
     assert stack.engine.app.max_in_flight == most_in_engine
     turns = journal_turns(stack.journal)
     assert sorted(map(tokens, turns)) == sorted(map(tokens, stack.engine.app.good_answers))
+
+
+# -- Codex's custom (freeform) and namespace tools, through the SDK ---------------------------------
+
+CODEX_TOOLS: Any = [
+    {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch."},
+    {
+        "type": "namespace",
+        "name": "mcp__github__",
+        "description": "Tools of the github MCP server.",
+        "tools": [
+            {
+                "type": "function",
+                "name": "search_issues",
+                "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+            }
+        ],
+    },
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_custom_and_namespaced_tool_calls_round_trip(stack: Stack, stream: bool) -> None:
+    """The SDK reads the engine's calls as a `custom_tool_call` and a `function_call` with its namespace,
+    and sent back as history they reach the engine as calls to its own function names. The fake engine
+    calls every tool with `{"command": "ls -la"}`, not the `{"input": ...}` a custom tool asks for: that
+    text goes to the harness as the input, and comes back to the engine as `{"input": <that text>}`."""
+
+    def call(items: Any, choice: Any) -> Any:
+        if not stream:
+            return stack.oai.responses.create(
+                model="gpt-test", input=items, tools=CODEX_TOOLS, tool_choice=choice
+            )
+        events = list(
+            stack.oai.responses.create(
+                model="gpt-test", input=items, tools=CODEX_TOOLS, tool_choice=choice, stream=True
+            )
+        )
+        assert events[-1].type == "response.completed"
+        return events[-1].response
+
+    items: list[Any] = [{"role": "user", "content": "Patch it."}]
+    first = call(items, {"type": "custom", "name": "apply_patch"})
+    [patch] = first.output
+    assert patch.type == "custom_tool_call"
+    assert (patch.name, patch.input) == ("apply_patch", json.dumps(TOOL_ARGUMENTS))
+    sent = stack.engine.app.fake.requests[-1]
+    assert [t["function"]["name"] for t in sent["tools"]] == ["apply_patch", "mcp__github__search_issues"]
+    assert sent["tool_choice"] == {"type": "function", "function": {"name": "apply_patch"}}
+
+    items += [
+        patch.model_dump(exclude_none=True),
+        {"type": "custom_tool_call_output", "call_id": patch.call_id, "output": "Done!"},
+    ]
+    second = call(items, {"type": "function", "name": "search_issues", "namespace": "mcp__github__"})
+    [search] = second.output
+    assert search.type == "function_call"
+    assert (search.namespace, search.name, search.arguments) == (
+        "mcp__github__",
+        "search_issues",
+        json.dumps(TOOL_ARGUMENTS),
+    )
+    sent = stack.engine.app.fake.requests[-1]
+    assert sent["tool_choice"] == {"type": "function", "function": {"name": "mcp__github__search_issues"}}
+    # The custom call went back to the engine as the call it made, arguments in its own spelling.
+    assert sent["messages"][1]["tool_calls"] == [
+        {
+            "id": patch.call_id,
+            "type": "function",
+            "function": {
+                "name": "apply_patch",
+                "arguments": json.dumps({"input": json.dumps(TOOL_ARGUMENTS)}),
+            },
+        }
+    ]
+    assert sent["messages"][2] == {"role": "tool", "tool_call_id": patch.call_id, "content": "Done!"}
+
+    items += [
+        search.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": search.call_id, "output": "none"},
+    ]
+    items.append({"role": "user", "content": "SAY: done"})
+    last = call(items, "auto")
+    assert last.output_text == "done"
+    sent = stack.engine.app.fake.requests[-1]
+    assert sent["messages"][3]["tool_calls"] == [
+        {
+            "id": search.call_id,
+            "type": "function",
+            "function": {"name": "mcp__github__search_issues", "arguments": json.dumps(TOOL_ARGUMENTS)},
+        }
+    ]
+    assert len(assert_journal_matches_engine(stack)) == 3

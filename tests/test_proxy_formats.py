@@ -38,6 +38,10 @@ from legorl.proxy.formats.common import (
     Completion,
     Prepared,
     StreamAccumulator,
+    TextDelta,
+    ToolCall,
+    ToolCallArgs,
+    ToolCallStart,
     completion_from_response,
     events_from_completion,
     system_first,
@@ -267,7 +271,7 @@ def test_a_codex_request_becomes_chat_messages() -> None:
     assert prepared.stream is True
     assert prepared.client_model == "gpt-5-codex"
     items = request["input"]
-    shell, update_plan = request["tools"][:2]
+    shell, update_plan, _, github = request["tools"]
     expected_messages = [
         # The instructions and the developer item lead: joined into one system message.
         {"role": "system", "content": request["instructions"] + "\n\n" + items[0]["content"][0]["text"]},
@@ -325,24 +329,34 @@ def test_a_codex_request_becomes_chat_messages() -> None:
         "stream_options": {"include_usage": True},
         "logprobs": True,
         "return_token_ids": True,
-        # web_search (hosted) and the namespace tool are not offered to the engine.
+        # web_search (hosted) is not offered to the engine; the namespace's tool is, flattened.
         "tools": [
+            *(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": t["name"],
+                        "description": t["description"],
+                        "parameters": t["parameters"],
+                        # The harness's own strictness is passed on, never assumed.
+                        "strict": t["strict"],
+                    },
+                }
+                for t in (shell, update_plan)
+            ),
             {
                 "type": "function",
                 "function": {
-                    "name": t["name"],
-                    "description": t["description"],
-                    "parameters": t["parameters"],
-                    # The harness's own strictness is passed on, never assumed.
-                    "strict": t["strict"],
+                    "name": "mcp__github__search_issues",
+                    "description": "Search issues.",
+                    "parameters": github["tools"][0]["parameters"],
                 },
-            }
-            for t in (shell, update_plan)
+            },
         ],
         "tool_choice": "auto",
     }
     sent = json.dumps(prepared.body)
-    for dropped in ("encrypted_content", "prompt_cache_key", "reasoning.encrypted_content", "mcp__github"):
+    for dropped in ("encrypted_content", "prompt_cache_key", "reasoning.encrypted_content", "web_search"):
         assert dropped not in sent
 
 
@@ -471,6 +485,14 @@ def test_anthropic_tool_choice_maps_to_chat(choice: dict[str, Any], sent: Any) -
         ("required", "required"),
         ({"type": "function", "name": "shell"}, {"type": "function", "function": {"name": "shell"}}),
         ({"type": "web_search"}, "auto"),
+        (
+            {"type": "custom", "name": "apply_patch"},
+            {"type": "function", "function": {"name": "apply_patch"}},
+        ),
+        (
+            {"type": "function", "name": "search_issues", "namespace": "mcp__github"},
+            {"type": "function", "function": {"name": "mcp__github__search_issues"}},
+        ),
     ],
 )
 def test_responses_tool_choice_maps_to_chat(choice: Any, sent: Any) -> None:
@@ -1178,6 +1200,374 @@ def test_responses_streams_validate_and_end_with_response_completed(name: str, h
             if e["type"] == "response.function_call_arguments.delta" and e["item_id"] == call["id"]
         ]
         assert "".join(deltas) == call["arguments"]
+
+
+# -- Codex's custom (freeform) and namespace tools ---------------------------------------------------
+
+# What Codex 0.171 sends (its request, captured): apply_patch as a custom tool with a Lark grammar, tools
+# grouped in a namespace (its sub-agent tools, MCP servers), and history items of both kinds.
+APPLY_PATCH_GRAMMAR = (
+    'start: begin_patch hunk+ end_patch\nbegin_patch: "*** Begin Patch" LF\nend_patch: "*** End Patch" LF?\n'
+    'hunk: add_hunk\nadd_hunk: "*** Add File: " filename LF add_line+\nfilename: /(.+)/\n'
+    'add_line: "+" /(.*)/ LF -> line\n%import common.LF\n'
+)
+APPLY_PATCH: Any = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Use the `apply_patch` tool to edit files. This is a FREEFORM tool.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH_GRAMMAR},
+}
+EXEC_COMMAND: Any = {
+    "type": "function",
+    "name": "exec_command",
+    "description": "Runs a command in a PTY.",
+    "strict": False,
+    "parameters": {
+        "type": "object",
+        "properties": {"cmd": {"type": "string"}},
+        "required": ["cmd"],
+        "additionalProperties": False,
+    },
+}
+AGENTS: Any = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Tools for spawning and managing sub-agents.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "spawn_agent",
+            "description": "Spawn a sub-agent.",
+            "strict": False,
+            "parameters": {"type": "object", "properties": {"message": {"type": "string"}}},
+        },
+        {"type": "custom", "name": "note", "description": "Write a note."},
+    ],
+}
+GITHUB: Any = {
+    "type": "namespace",
+    "name": "mcp__github__",
+    "description": "Tools of the github MCP server.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "search_issues",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+        }
+    ],
+}
+PATCH = '*** Begin Patch\n*** Add File: hello.txt\n+hello "world"\n*** End Patch\n'
+CODEX_TOOLS = [EXEC_COMMAND, APPLY_PATCH, AGENTS, GITHUB, {"type": "web_search"}]
+
+
+def codex_tools_request(**changes: Any) -> dict[str, Any]:
+    return {
+        "model": "policy",
+        "stream": True,
+        "tools": copy.deepcopy(CODEX_TOOLS),
+        "tool_choice": "auto",
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Add it."}]}
+        ],
+        **changes,
+    }
+
+
+def test_custom_and_namespace_tools_reach_the_engine_as_functions() -> None:
+    prepared = responses_format.prepare(codex_tools_request(), settings())
+    custom_parameters = {
+        "type": "object",
+        "properties": {
+            "input": {
+                "type": "string",
+                "description": "The tool's input: raw text, not JSON, in this lark grammar:\n"
+                + APPLY_PATCH_GRAMMAR,
+            }
+        },
+        "required": ["input"],
+        "additionalProperties": False,
+    }
+    assert prepared.body["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "exec_command",
+                "description": EXEC_COMMAND["description"],
+                "parameters": EXEC_COMMAND["parameters"],
+                "strict": False,
+            },
+        },
+        # A custom tool: one string argument, the grammar in its description; never strict (the
+        # engine cannot hold the text to a Lark grammar anyway).
+        {
+            "type": "function",
+            "function": {
+                "name": "apply_patch",
+                "description": APPLY_PATCH["description"],
+                "parameters": custom_parameters,
+            },
+        },
+        # A namespace's tools, flattened: <namespace>__<name>, or <namespace><name> after a "_".
+        {
+            "type": "function",
+            "function": {
+                "name": "multi_agent_v1__spawn_agent",
+                "description": "Spawn a sub-agent.",
+                "parameters": AGENTS["tools"][0]["parameters"],
+                "strict": False,
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "multi_agent_v1__note",
+                "description": "Write a note.",
+                "parameters": {
+                    **custom_parameters,
+                    "properties": {
+                        "input": {"type": "string", "description": "The tool's input: raw text, not JSON."}
+                    },
+                },
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "mcp__github__search_issues",
+                "parameters": GITHUB["tools"][0]["parameters"],
+            },
+        },
+    ]
+    assert prepared.body["tool_choice"] == "auto"
+
+
+def test_custom_and_namespaced_history_items_become_the_engines_calls() -> None:
+    items: Any = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Add it."}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA"},
+        {
+            "type": "custom_tool_call",
+            "id": "ctc_1",
+            "status": "completed",
+            "call_id": "call_patch",
+            "name": "apply_patch",
+            "input": PATCH,
+        },
+        {
+            "type": "custom_tool_call_output",
+            "call_id": "call_patch",
+            "output": [{"type": "input_text", "text": "Success. Updated the following files:\nA hello.txt"}],
+        },
+        {
+            "type": "function_call",
+            "id": "fc_2",
+            "call_id": "call_search",
+            "namespace": "mcp__github__",
+            "name": "search_issues",
+            "arguments": '{"query":"parser"}',
+        },
+        {
+            "type": "function_call",
+            "id": "fc_3",
+            "call_id": "call_spawn",
+            "namespace": "multi_agent_v1",
+            "name": "spawn_agent",
+            "arguments": "{}",
+        },
+        {"type": "function_call_output", "call_id": "call_search", "output": "no issues"},
+        {"type": "custom_tool_call_output", "call_id": "call_spawn", "output": "agent-1"},
+    ]
+    prepared = responses_format.prepare(codex_tools_request(input=items), settings())
+    assert prepared.body["messages"] == [
+        {"role": "user", "content": "Add it."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_patch",
+                    "type": "function",
+                    # vLLM's tool parsers spell arguments with json.dumps' defaults.
+                    "function": {"name": "apply_patch", "arguments": json.dumps({"input": PATCH})},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "call_patch",
+            "content": "Success. Updated the following files:\nA hello.txt",
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_search",
+                    "type": "function",
+                    "function": {"name": "mcp__github__search_issues", "arguments": '{"query":"parser"}'},
+                },
+                {
+                    "id": "call_spawn",
+                    "type": "function",
+                    "function": {"name": "multi_agent_v1__spawn_agent", "arguments": "{}"},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_search", "content": "no issues"},
+        {"role": "tool", "tool_call_id": "call_spawn", "content": "agent-1"},
+    ]
+
+
+def test_a_custom_tool_call_needs_its_input() -> None:
+    item = {"type": "custom_tool_call", "call_id": "call_1", "name": "apply_patch"}
+    with pytest.raises(ProxyError) as caught:
+        responses_format.prepare(codex_tools_request(input=[item]), settings())
+    assert caught.value.kind == "invalid_request"
+    assert "custom_tool_call needs an input string" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    "tool",
+    [
+        {"type": "namespace", "tools": []},
+        {"type": "namespace", "name": "ns"},
+        {"type": "namespace", "name": "ns", "tools": ["spawn_agent"]},
+        {"type": "custom"},
+    ],
+)
+def test_a_malformed_namespace_or_custom_tool_is_refused(tool: dict[str, Any]) -> None:
+    with pytest.raises(ProxyError) as caught:
+        responses_format.prepare(codex_tools_request(tools=[tool]), settings())
+    assert caught.value.kind == "invalid_request"
+    assert caught.value.param == "tools" or "tools[0]" in (caught.value.param or "")
+
+
+def _codex_tool_completion() -> Completion:
+    """An engine answer calling the custom tool, a namespaced one and a plain one."""
+    return Completion(
+        id="chatcmpl-1",
+        created=1700000000,
+        text="Adding the file.",
+        tool_calls=[
+            ToolCall("call_patch", "apply_patch", json.dumps({"input": PATCH})),
+            ToolCall("call_search", "mcp__github__search_issues", '{"query": "parser"}'),
+            ToolCall("call_ls", "exec_command", '{"cmd": "ls"}'),
+        ],
+        finish_reason="tool_calls",
+        prompt_token_ids=[1, 2, 3],
+        completion_token_ids=[4, 5, 6, 7],
+        completion_logprobs=[-0.5, -0.25, -0.125, -1.0],
+        prompt_tokens=3,
+        completion_tokens=4,
+    )
+
+
+CODEX_ITEMS = [
+    ("message", None),
+    ("custom_tool_call", {"call_id": "call_patch", "name": "apply_patch", "input": PATCH}),
+    (
+        "function_call",
+        {
+            "call_id": "call_search",
+            "name": "search_issues",
+            "namespace": "mcp__github__",
+            "arguments": '{"query": "parser"}',
+        },
+    ),
+    ("function_call", {"call_id": "call_ls", "name": "exec_command", "arguments": '{"cmd": "ls"}'}),
+]
+"""The output items Codex must get for `_codex_tool_completion()` (the fields that matter)."""
+
+
+def assert_codex_items(output: list[dict[str, Any]]) -> None:
+    assert [item["type"] for item in output] == [kind for kind, _ in CODEX_ITEMS]
+    for item, (_, fields) in zip(output, CODEX_ITEMS, strict=True):
+        if fields is not None:
+            assert {k: item.get(k) for k in fields} == fields, item
+            assert item["status"] == "completed"
+    assert "namespace" not in output[1] and "namespace" not in output[3]
+    assert output[1]["id"].startswith("ctc_") and len({item["id"] for item in output}) == len(output)
+
+
+def test_calls_to_custom_and_namespaced_tools_come_back_as_codex_items() -> None:
+    prepared = responses_format.prepare(codex_tools_request(stream=False), settings())
+    answer = responses_format.response(prepared, _codex_tool_completion())
+    parsed = Response.model_validate(answer, strict=True)
+    assert_codex_items(answer["output"])
+    assert parsed.output[1].type == "custom_tool_call" and parsed.output[1].input == PATCH
+    assert parsed.output[2].type == "function_call" and parsed.output[2].namespace == "mcp__github__"
+
+
+@pytest.mark.parametrize("pieces", [1, 7], ids=["whole", "in-pieces"])
+def test_streamed_calls_to_custom_and_namespaced_tools(pieces: int) -> None:
+    prepared = responses_format.prepare(codex_tools_request(), settings())
+    comp = _codex_tool_completion()
+    encoder = responses_format.Encoder(prepared)
+    out = list(encoder.head(comp))
+    out += encoder.event(TextDelta(comp.text, []))
+    for i, call in enumerate(comp.tool_calls):
+        out += encoder.event(ToolCallStart(i, call.id, call.name))
+        size = -(-len(call.arguments) // pieces)
+        for start in range(0, len(call.arguments), size):
+            out += encoder.event(ToolCallArgs(i, call.arguments[start : start + size]))
+    out += encoder.tail(comp)
+    events = []
+    for event_name, payload in parse_sse(b"".join(out)):
+        event = json.loads(payload)
+        assert event_name == event["type"]
+        RESPONSES_EVENT.validate_python(event, strict=True)
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.completed"
+    final = events[-1]["response"]["output"]
+    assert_codex_items(final)
+    assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert added[1] == {**final[1], "input": "", "status": "in_progress"}
+    assert added[2]["namespace"] == "mcp__github__" and added[2]["name"] == "search_issues"
+    # The custom call's input is text, not the engine's JSON: it goes out once the call is whole.
+    patch_id = final[1]["id"]
+    of_patch = [e for e in events if e.get("item_id") == patch_id]
+    assert [e["type"] for e in of_patch] == [
+        "response.custom_tool_call_input.delta",
+        "response.custom_tool_call_input.done",
+    ]
+    assert of_patch[0]["delta"] == of_patch[1]["input"] == PATCH
+    for call in final[2:]:
+        deltas = [
+            e["delta"]
+            for e in events
+            if e["type"] == "response.function_call_arguments.delta" and e["item_id"] == call["id"]
+        ]
+        assert "".join(deltas) == call["arguments"]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"patch": "x"}', '{"input": 5}', "*** Begin Patch", '["x"]'],
+    ids=["other-key", "not-a-string", "not-json", "not-an-object"],
+)
+def test_a_custom_call_the_model_got_wrong_goes_back_as_written(arguments: str) -> None:
+    prepared = responses_format.prepare(codex_tools_request(stream=False), settings())
+    comp = _codex_tool_completion()
+    comp.tool_calls = [ToolCall("call_patch", "apply_patch", arguments)]
+    answer = responses_format.response(prepared, comp)
+    Response.model_validate(answer, strict=True)
+    [_, item] = answer["output"]
+    assert (item["type"], item["input"]) == ("custom_tool_call", arguments)
+
+
+def test_the_items_codex_gets_back_re_render_the_engines_calls() -> None:
+    """What Codex sends back of the answer (its items, verbatim) is, for the engine, the calls it made."""
+    prepared = responses_format.prepare(codex_tools_request(stream=False), settings())
+    comp = _codex_tool_completion()
+    output = responses_format.response(prepared, comp)["output"]
+    history = codex_tools_request()["input"] + output
+    sent = responses_format.prepare(codex_tools_request(input=history), settings()).body["messages"]
+    assert sent[1]["content"] == comp.text
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in sent[1]["tool_calls"]] == [
+        (c.id, c.name, c.arguments) for c in comp.tool_calls
+    ]
 
 
 @pytest.mark.parametrize("options", [{}, {"logprobs": True, "stream_options": {"include_usage": True}}])
