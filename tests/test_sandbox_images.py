@@ -1320,6 +1320,64 @@ def test_codex_adds_the_config_maps_toml(tmp_path: Path) -> None:
     assert "base_url" not in config["tools"], "the provider table must not land inside the user's table"
 
 
+CODEX_CATALOG: Any = {
+    "models": [
+        {
+            "slug": "@LEGORL_MODEL@",
+            "display_name": "@LEGORL_MODEL@",
+            "base_instructions": "You are a coding agent.",
+            "apply_patch_tool_type": "freeform",
+        }
+    ]
+}
+"""The shape of share/legorl-harness/codex-models.json (codex/model-catalog.mjs writes the real one)."""
+
+
+def with_codex_catalog(launcher: Launcher) -> Launcher:
+    catalog = launcher.runtime / "share/legorl-harness/codex-models.json"
+    catalog.write_text(json.dumps(CODEX_CATALOG), encoding="utf-8")
+    return launcher
+
+
+def test_codex_gets_the_policys_model_catalog(tmp_path: Path) -> None:
+    launch = with_codex_catalog(Launcher(tmp_path)).run("Codex", LEGORL_MODEL_NAME="org/policy-v2:1")
+    config = tomllib.loads((launch.home / ".codex/config.toml").read_text(encoding="utf-8"))
+    assert config["model"] == "org/policy-v2:1"
+    catalog = Path(config["model_catalog_json"])
+    assert catalog == launch.home / ".codex/legorl-models.json"
+    [model] = json.loads(catalog.read_text(encoding="utf-8"))["models"]
+    assert model == {
+        **CODEX_CATALOG["models"][0],
+        "slug": "org/policy-v2:1",
+        "display_name": "org/policy-v2:1",
+    }
+
+
+def test_codex_keeps_a_config_maps_own_model_catalog(tmp_path: Path) -> None:
+    launcher = with_codex_catalog(Launcher(tmp_path))
+    launcher.config_dir.mkdir(parents=True)
+    (launcher.config_dir / "config.toml").write_text(
+        'model_catalog_json = "/etc/models.json"\n', encoding="utf-8"
+    )
+    launch = launcher.run("Codex")
+    config = tomllib.loads((launch.home / ".codex/config.toml").read_text(encoding="utf-8"))
+    assert config["model_catalog_json"] == "/etc/models.json"
+    assert not (launch.home / ".codex/legorl-models.json").exists()
+
+
+def test_codex_without_a_catalog_in_its_runtime_runs_on_codexs_defaults(tmp_path: Path) -> None:
+    launch = Launcher(tmp_path).run("Codex")
+    config = tomllib.loads((launch.home / ".codex/config.toml").read_text(encoding="utf-8"))
+    assert "model_catalog_json" not in config
+    assert not (launch.home / ".codex/legorl-models.json").exists()
+
+
+def test_codex_refuses_a_home_the_catalogs_path_cannot_be_written_into_toml(tmp_path: Path) -> None:
+    launcher = with_codex_catalog(Launcher(tmp_path))
+    launch = launcher.run("Codex", expect=2, CODEX_HOME=str(tmp_path / "it's"))
+    assert "CODEX_HOME" in launch.result.stderr
+
+
 @pytest.mark.parametrize(
     ("api_format", "npm", "base"),
     [
