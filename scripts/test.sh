@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run every check CI runs, from a fresh clone: creates .venv, installs legorl with its dev
-# extra, vLLM's CPU build and the harness CLIs the tests drive (scripts/get-engine.sh), the
+# extra, vLLM's CPU build and the harness CLIs the tests drive (scripts/get-engine.sh, which runs
+# scripts/get-harnesses.sh: Codex CLI, Claude Code and OpenCode from npm), the
 # sandbox's system tools (scripts/get-sandbox-tools.sh: bubblewrap, iptables), Chromium and
 # Playwright for the UI's browser tests (scripts/get-browser.sh), fetches helm
 # (scripts/get-helm.sh), builds a real kube-apiserver (scripts/get-kube.sh, in the background while
