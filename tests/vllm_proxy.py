@@ -39,9 +39,9 @@ Rewrite = Callable[[dict[str, Any]], dict[str, Any] | None]
 
 WEIGHT_VERSION = "default"  # what vLLM's /weight_info reports before any weight update
 MAX_MODEL_LEN = 32768
-"""The shared engine's context: the tiny model's whole `max_position_embeddings`. Claude Code's first
-request (system prompt and tools) is ~38k characters; with the tiny byte-level tokenizer that is
-far beyond the 8192 the SDK tests need."""
+"""The shared engine's context: the tiny model's whole `max_position_embeddings`. The harness CLIs'
+prompts are long with the tiny byte-level tokenizer (first prompts measured: Codex 17.3k tokens,
+OpenCode 13.4k, Claude Code 22.3k with all its tools), far beyond the 8192 the SDK tests need."""
 
 
 # -- what vLLM sent, read back from the tap's bytes --------------------------------------------
