@@ -83,16 +83,16 @@ def runtime(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (and Codex's model catalog) that scripts/get-harnesses.sh installed, linked in."""
     cache = Path(os.environ.get("LEGORL_CACHE", Path.home() / ".cache/legorl")) / "npm/runtime"
     binaries = {
-        "Codex": (cache / "libexec/codex/bin/codex", ["--version"], pinned("codex", "CODEX_VERSION")),
-        "ClaudeCode": (cache / "libexec/claude", ["--version"], pinned("claude-code", "CLAUDE_CODE_VERSION")),
-        "OpenCode": (cache / "libexec/opencode", ["--version"], pinned("opencode", "OPENCODE_VERSION")),
+        "Codex": (cache / "libexec/codex/bin/codex", pinned("codex", "CODEX_VERSION")),
+        "ClaudeCode": (cache / "libexec/claude", pinned("claude-code", "CLAUDE_CODE_VERSION")),
+        "OpenCode": (cache / "libexec/opencode", pinned("opencode", "OPENCODE_VERSION")),
     }
-    for kind, (binary, args, version) in binaries.items():
+    for kind, (binary, version) in binaries.items():
         if not os.access(binary, os.X_OK):
             pytest.fail(f"{kind} is not installed ({binary}): run `bash scripts/get-harnesses.sh`")
         home = tmp_path_factory.mktemp("version-home")
         shown = subprocess.run(
-            [str(binary), *args],
+            [str(binary), "--version"],
             env={"PATH": "/usr/bin:/bin", "HOME": str(home)},
             capture_output=True,
             text=True,

@@ -343,9 +343,19 @@ def smoke_harness(docker: Docker, image: str, kind: str) -> list[str]:
         result = run(f"/opt/legorl-harness/{binary}", "--version")
         lines = (result.stdout + result.stderr).strip().splitlines()
         version = next((line for line in lines if re.search(r"\d+\.\d+\.\d+", line)), lines[-1])[:80]
+        extra = []
+        if kind == "Codex":  # the policy's model catalog, made at build time by codex/model-catalog.mjs
+            catalog = copied / "share/legorl-harness/codex-models.json"
+            models = json.loads(catalog.read_text(encoding="utf-8"))["models"] if catalog.exists() else []
+            if len(models) != 1 or not models[0].get("base_instructions"):
+                raise BuildError(f"{image}: no model catalog with base instructions at {catalog.name}")
+            extra.append(
+                f"the policy's model catalog, {len(models[0]['base_instructions'])} chars of instructions"
+            )
     return [
         smoke_help(docker, image),
         f"`install --into=DIR` copies the runtime; {binary} --version in the Debian base: {version}",
+        *extra,
     ]
 
 
