@@ -1,4 +1,4 @@
-"""The engine side: one shared httpx client, retries through weight swaps, errors classified.
+"""The engine side: one shared client (`http1`), retries through weight swaps, errors classified.
 
 A weight swap pauses the engine; a restarting engine refuses connections. Both are retried with
 exponential backoff and full jitter until the settings' budget runs out, then the call fails as
@@ -17,12 +17,10 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
-from urllib.parse import unquote, urlparse
-
-import httpx
 
 from legorl.api import weight_versions
 from legorl.proxy import _json as fastjson
+from legorl.proxy import http1
 from legorl.proxy.errors import ProxyError
 from legorl.proxy.metrics import Metrics
 from legorl.proxy.settings import ProxySettings
@@ -33,9 +31,6 @@ log = logging.getLogger(__name__)
 
 _RETRY_STATUS = {503}
 _JSON_HEADERS = {"content-type": "application/json"}
-# Refused, not accepted in time, or dropped before an answer: the engine is (re)starting or
-# swamped. Nothing reached it, so asking again is safe (model calls and version reads alike).
-_UNREACHED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError)
 # vLLM's wording for prompts that do not fit: "This model's maximum context length is N tokens.
 # However, you requested M tokens...", "... longer than the maximum model length ...".
 _OVERFLOW = re.compile(
@@ -85,28 +80,13 @@ class Upstream:
     def __init__(self, settings: ProxySettings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        url = settings.upstream
-        transport: httpx.AsyncHTTPTransport | None = None
-        limits = httpx.Limits(
+        # Harnesses think (run tools) between calls; keep their connections for the next one.
+        self.client = http1.Client(
+            settings.upstream,
+            connect_timeout=settings.connect_timeout_seconds,
+            read_timeout=settings.read_timeout_seconds,
             max_connections=settings.max_connections,
-            max_keepalive_connections=settings.max_connections,
-            # Harnesses think (run tools) between calls; keep their connections for the next one.
             keepalive_expiry=300.0,
-        )
-        if url.startswith("unix://"):
-            path = unquote(urlparse(url).path)
-            transport = httpx.AsyncHTTPTransport(uds=path, limits=limits)
-            url = "http://engine"
-        self.client = httpx.AsyncClient(
-            base_url=url,
-            transport=transport,
-            limits=limits,
-            timeout=httpx.Timeout(
-                connect=settings.connect_timeout_seconds,
-                read=settings.read_timeout_seconds,
-                write=settings.read_timeout_seconds,
-                pool=settings.read_timeout_seconds,
-            ),
         )
         self._version_supported = settings.policy_version_source == "engine"
         self.engine_names_versions = False
@@ -166,70 +146,62 @@ class Upstream:
         path: str,
         body: dict[str, Any] | None,
         *,
-        stream: bool,
         headers: Mapping[str, str] | None = None,
-    ) -> AsyncIterator[httpx.Response]:
-        """A response with a 2xx status (retried through 503s and refused connections). `headers`:
-        extra request headers (the trace's `traceparent`)."""
+    ) -> AsyncIterator[http1.Response]:
+        """A response with a 2xx status (retried through 503s and refused connections), its body unread.
+        `headers`: extra request headers (the trace's `traceparent`)."""
         deadline = time.monotonic() + self.settings.retry_budget_seconds
         attempt = 0
         sent_headers = {**(_JSON_HEADERS if body is not None else {}), **(headers or {})}
+        content = fastjson.dumps(body) if body is not None else None
         while True:
-            request = self.client.build_request(
-                method,
-                path,
-                content=fastjson.dumps(body) if body is not None else None,
-                headers=sent_headers or None,
-            )
             try:
-                response = await self.client.send(request, stream=stream)
-            except _UNREACHED as exc:
+                response = await self.client.request(method, path, content, sent_headers)
+            except http1.Unreached as exc:
                 self._upstream_error("unreachable")
-                await self._backoff(attempt, deadline, f"{type(exc).__name__}: {exc}")
+                await self._backoff(attempt, deadline, str(exc))
                 attempt += 1
                 continue
-            except httpx.TimeoutException as exc:
+            except http1.ReadTimeout as exc:
                 self._upstream_error("timeout")
-                raise ProxyError(
-                    "engine_error", f"the engine timed out ({type(exc).__name__})", status=504
-                ) from exc
-            except httpx.HTTPError as exc:
+                raise ProxyError("engine_error", "the engine timed out (no answer)", status=504) from exc
+            except http1.HttpError as exc:
                 self._upstream_error("transport")
-                raise ProxyError(
-                    "engine_error", f"the engine call failed: {type(exc).__name__}: {exc}"
-                ) from exc
+                raise ProxyError("engine_error", f"the engine call failed: {exc}") from exc
             try:
-                if response.status_code >= 300:
-                    self._upstream_error(str(response.status_code))
-                if response.status_code in _RETRY_STATUS:
-                    await response.aread()
-                    await response.aclose()
-                    await self._backoff(attempt, deadline, f"HTTP {response.status_code}")
-                    attempt += 1
-                    continue
-                if response.status_code >= 300:
-                    content = await response.aread()
-                    raise classify_engine_error(response.status_code, content)
+                status = response.status
+                if status >= 300:
+                    self._upstream_error(str(status))
+                    error_body = await self._body(response, "an error answer")
+                    if status in _RETRY_STATUS:
+                        await self._backoff(attempt, deadline, f"HTTP {status}")
+                        attempt += 1
+                        continue
+                    raise classify_engine_error(status, error_body)
                 yield response
                 return
             finally:
-                await response.aclose()
+                response.close()
+
+    async def _body(self, response: http1.Response, what: str) -> bytes:
+        """A response's whole body; a timeout or a cut-off answer is the engine's error."""
+        try:
+            return await response.read()
+        except http1.ReadTimeout as exc:
+            self._upstream_error("timeout")
+            raise ProxyError("engine_error", f"the engine timed out mid-answer ({what})", status=504) from exc
+        except http1.HttpError as exc:
+            self._upstream_error("transport")
+            raise ProxyError("engine_error", f"the engine dropped {what}: {exc}") from exc
 
     async def complete(
         self, body: dict[str, Any], headers: Mapping[str, str] | None = None, served: Served | None = None
     ) -> dict[str, Any]:
         """A non-streaming call; the parsed JSON body. `served` gets the versions the engine named."""
-        async with self._send("POST", "/v1/chat/completions", body, stream=True, headers=headers) as response:
+        async with self._send("POST", "/v1/chat/completions", body, headers=headers) as response:
             if served is not None and (named := response.headers.get(weight_versions.HEADER)) is not None:
                 served.versions = weight_versions.decode(named)
-            try:
-                content = await response.aread()
-            except httpx.TimeoutException as exc:
-                self._upstream_error("timeout")
-                raise ProxyError("engine_error", "the engine timed out mid-answer", status=504) from exc
-            except httpx.HTTPError as exc:
-                self._upstream_error("transport")
-                raise ProxyError("engine_error", f"the engine dropped the answer: {exc}") from exc
+            content = await self._body(response, "the answer")
         try:
             data = fastjson.loads(content)
         except fastjson.JSONDecodeError as exc:
@@ -247,10 +219,10 @@ class Upstream:
         batching adds no wait, and it spares a write per event when the engine is ahead. `served`
         gets the versions of the stream's closing comment, if the engine sent one.
         """
-        async with self._send("POST", "/v1/chat/completions", body, stream=True, headers=headers) as response:
+        async with self._send("POST", "/v1/chat/completions", body, headers=headers) as response:
             pending = b""
             try:
-                async for raw in response.aiter_raw():
+                async for raw in response.chunks():
                     pending += raw
                     if b"\r" in pending:  # normalised on the buffer: a CRLF may straddle two reads
                         pending = pending.replace(b"\r\n", b"\n")
@@ -271,21 +243,20 @@ class Upstream:
                     yield [tail[5:].strip()]
                 elif served is not None and tail.startswith(weight_versions.SSE_PREFIX):
                     served.versions = weight_versions.decode(tail[len(weight_versions.SSE_PREFIX) :])
-            except httpx.TimeoutException as exc:
+            except http1.ReadTimeout as exc:
                 self._upstream_error("timeout")
                 raise ProxyError("engine_error", "the engine went silent mid-stream", status=504) from exc
-            except httpx.HTTPError as exc:
+            except http1.HttpError as exc:
                 self._upstream_error("transport")
                 raise ProxyError("engine_error", f"the engine dropped the stream: {exc}") from exc
 
     async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
-        async with self._send("POST", "/tokenize", body, stream=True) as response:
-            try:
-                data = fastjson.loads(await response.aread())
-            except fastjson.JSONDecodeError as exc:
-                raise ProxyError("engine_error", "the engine's /tokenize answer is not JSON") from exc
-            except httpx.HTTPError as exc:
-                raise ProxyError("engine_error", f"the engine dropped its /tokenize answer: {exc}") from exc
+        async with self._send("POST", "/tokenize", body) as response:
+            content = await self._body(response, "its /tokenize answer")
+        try:
+            data = fastjson.loads(content)
+        except fastjson.JSONDecodeError as exc:
+            raise ProxyError("engine_error", "the engine's /tokenize answer is not JSON") from exc
         if not isinstance(data, dict):
             raise ProxyError("engine_error", "the engine's /tokenize answer is not a JSON object")
         return data
@@ -293,13 +264,13 @@ class Upstream:
     async def kv_cache_usage(self) -> float | None:
         """The engine's KV cache usage in [0, 1] (the fullest engine core), or None if unknown."""
         try:
-            response = await self.client.get("/metrics")
-        except httpx.HTTPError:
+            status, content = await self.client.get("/metrics")
+        except http1.HttpError:
             return None
-        if response.status_code != 200:
+        if status != 200:
             return None
         values = []
-        for line in response.text.splitlines():
+        for line in content.decode(errors="replace").splitlines():
             if line.startswith("vllm:kv_cache_usage_perc"):
                 try:
                     values.append(float(line.rsplit(" ", 1)[1]))
@@ -317,25 +288,25 @@ class Upstream:
         attempt = 0
         while True:
             try:
-                response = await self.client.get("/weight_info")
-            except _UNREACHED as exc:
+                status, content = await self.client.get("/weight_info")
+            except http1.Unreached as exc:
                 if not wait:
                     return None
-                await self._backoff(attempt, deadline, f"{type(exc).__name__}: {exc}")
+                await self._backoff(attempt, deadline, str(exc))
                 attempt += 1
                 continue
-            except httpx.HTTPError as exc:
+            except http1.HttpError as exc:
                 if not wait:
                     return None
                 raise ProxyError(
                     "engine_error", f"could not read the engine's policy version: {exc}"
                 ) from exc
-            if response.status_code in _RETRY_STATUS and wait:
-                await self._backoff(attempt, deadline, f"HTTP {response.status_code}")
+            if status in _RETRY_STATUS and wait:
+                await self._backoff(attempt, deadline, f"HTTP {status}")
                 attempt += 1
                 continue
             break
-        if response.status_code in (404, 405):
+        if status in (404, 405):
             log.warning(
                 "the engine has no /weight_info (VLLM_SERVER_DEV_MODE off?); recording policy version %r",
                 self.settings.policy_version,
@@ -343,14 +314,12 @@ class Upstream:
             self._version_supported = False
             return self.settings.policy_version
         try:
-            data = response.json() if response.status_code == 200 else None
+            data = json.loads(content) if status == 200 else None
         except ValueError:
             data = None
         version = data.get("weight_version", data.get("version")) if isinstance(data, dict) else None
         if version is None:
             if not wait:
                 return None
-            raise ProxyError(
-                "engine_error", f"the engine's /weight_info answered {response.status_code} without a version"
-            )
+            raise ProxyError("engine_error", f"the engine's /weight_info answered {status} without a version")
         return str(version)
