@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
@@ -243,17 +244,18 @@ async def test_read_journal_reports_a_torn_tail_without_cutting_it(tmp_path: Pat
 
 
 @pytest.mark.asyncio
-async def test_a_failed_write_fails_the_append_and_every_later_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("alone", [False, True], ids=["writer-thread", "inline"])
+async def test_a_failed_write_fails_the_append_and_every_later_one(tmp_path: Path, alone: bool) -> None:
     journal = Journal(tmp_path)
     try:
-        await journal.append({"type": "turn", "index": 0})
+        await journal.append({"type": "turn", "index": 0}, alone=alone)
         # The disk goes away under the journal: its descriptor now refuses writes (EBADF).
         read_only = os.open(os.devnull, os.O_RDONLY)
         saved = os.dup(journal._fd)
         os.dup2(read_only, journal._fd)
         os.close(read_only)
         with pytest.raises(JournalError, match="journal write failed"):
-            await journal.append({"type": "turn", "index": 1})
+            await journal.append({"type": "turn", "index": 1}, alone=alone)
 
         # The disk comes back, but a failed write may have left part of a record behind: the
         # journal keeps refusing rather than append after it.
@@ -261,15 +263,16 @@ async def test_a_failed_write_fails_the_append_and_every_later_one(tmp_path: Pat
         os.close(saved)
         for index in (2, 3):
             with pytest.raises(JournalError):
-                await journal.append({"type": "turn", "index": index})
+                await journal.append({"type": "turn", "index": index}, alone=index == 2)
     finally:
         journal.close()
     assert read_journal(tmp_path) == Recovered(records=[{"type": "turn", "index": 0}], dropped_bytes=0)
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("alone", [False, True], ids=["writer-thread", "inline"])
 async def test_a_failed_fsync_fails_the_append_and_every_later_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, alone: bool
 ) -> None:
     journal = Journal(tmp_path)
     real_fsync: Callable[[int], None] = os.fsync
@@ -283,7 +286,7 @@ async def test_a_failed_fsync_fails_the_append_and_every_later_one(
         await journal.append({"type": "turn", "index": 0})
         monkeypatch.setattr(os, "fsync", failing_fsync)
         with pytest.raises(JournalError, match="Input/output error"):
-            await journal.append({"type": "turn", "index": 1})
+            await journal.append({"type": "turn", "index": 1}, alone=alone)
         monkeypatch.undo()
         with pytest.raises(JournalError):
             await journal.append({"type": "turn", "index": 2})
@@ -293,6 +296,36 @@ async def test_a_failed_fsync_fails_the_append_and_every_later_one(
     # Record 1's bytes went to the file but were never acknowledged (whether they are durable is
     # up to the disk); record 2 was refused before any write.
     assert [r["index"] for r in read_journal(tmp_path).records] in ([0], [0, 1])
+
+
+@pytest.mark.asyncio
+async def test_a_lone_record_is_synced_on_the_loop_and_mixed_appends_keep_their_order(tmp_path: Path) -> None:
+    """A record with nothing to share its fsync with is written on the event loop's thread; records
+    appended meanwhile by concurrent callers still go through the writer thread, and the file holds
+    every record in the order appended, deltas included (each turn's body extends the previous one)."""
+    synced_on: list[int] = []
+    journal = Journal(tmp_path, on_sync=lambda seconds, count: synced_on.append(threading.get_ident()))
+    body = "x" * 200
+    expected = []
+
+    def turn(index: int) -> dict[str, Any]:
+        record = {"type": "turn", "index": index, "request_body": body + "y" * index}
+        expected.append(record)
+        return record
+
+    try:
+        await journal.append(turn(0), alone=True)
+        assert synced_on == [threading.get_ident()]
+        # Concurrent: queued for the writer thread; a lone one among them waits its turn in the queue.
+        await asyncio.gather(
+            *(journal.append(turn(i), alone=i == 3) for i in range(1, 6)),
+        )
+        await journal.append(turn(6), alone=True)
+    finally:
+        journal.close()
+    assert synced_on[-1] == threading.get_ident()
+    assert any(ident != threading.get_ident() for ident in synced_on)
+    assert read_journal(tmp_path).records == expected
 
 
 @pytest.mark.asyncio

@@ -29,7 +29,8 @@ nothing acknowledged is lost.
 
 Writers on the event loop hand records to one writer thread, which writes everything queued and
 fsyncs once for the lot (group commit): concurrent sessions share the fsync instead of queueing
-behind one another.
+behind one another. A record with nothing to share its fsync with (the trial's only call in flight)
+is written and synced on the event loop itself, which spares the two thread hand-offs.
 """
 
 from __future__ import annotations
@@ -287,6 +288,8 @@ class Journal:
         self._sync_dir()
         self._cond = threading.Condition()
         self._queue: list[_Pending] = []
+        self._writing = False
+        """The writer thread is writing a batch (an inline write must wait its turn)."""
         self._closed = False
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._writer, name="legorl-journal", daemon=True)
@@ -309,8 +312,13 @@ class Journal:
                     self._cond.wait()
                 batch, self._queue = self._queue, []
                 closing = self._closed
-            if batch:
-                self._write_batch(batch)
+                self._writing = bool(batch)
+            try:
+                if batch:
+                    self._write_batch(batch)
+            finally:
+                with self._cond:
+                    self._writing = False
             if closing and not batch:
                 return
 
@@ -336,13 +344,32 @@ class Journal:
         for pending in batch:
             pending.done(error)
 
-    async def append(self, record: dict[str, Any]) -> None:
-        """Write one record and wait until it is on disk; raises JournalError if it is not."""
+    async def append(self, record: dict[str, Any], *, alone: bool = False) -> None:
+        """Write one record and wait until it is on disk; raises JournalError if it is not.
+
+        `alone`: no other record is on its way (the caller's only call in flight). With nothing queued
+        and the writer idle, the record is then written and synced here, on the event loop: there is
+        nothing to commit it with, and handing it to the writer thread and back (two thread wake-ups
+        and the interpreter lock passed between them) costs more CPU than the write. Concurrent calls
+        still go through the writer thread, where they share one fsync.
+        """
         data = encode_record(record, self._previous_turn)
         if record.get("type") == "turn":
             # In step with the file: records reach it in the order they are encoded here (one loop, one
             # queue); after a failed write the journal refuses every later record.
             self._previous_turn = record
+        if alone:
+            with self._cond:
+                if self._closed:
+                    raise JournalError("journal is closed")
+                inline = not self._queue and not self._writing
+            if inline:
+                # Only the event loop queues records, and it is here: the writer stays idle meanwhile.
+                errors: list[BaseException | None] = []
+                self._write_batch([_Pending(data, errors.append)])
+                if errors[0] is not None:
+                    raise JournalError(f"journal write failed: {errors[0]}")
+                return
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
 
