@@ -313,16 +313,23 @@ class Journal:
                 batch, self._queue = self._queue, []
                 closing = self._closed
                 self._writing = bool(batch)
+            error: BaseException | None = None
             try:
                 if batch:
-                    self._write_batch(batch)
+                    error = self._write_batch(batch)
             finally:
                 with self._cond:
                     self._writing = False
+            # Only now wake the callers: one that appends at once, alone, finds the writer idle and
+            # writes inline instead of queueing behind a batch that is already on disk.
+            for pending in batch:
+                pending.done(error)
             if closing and not batch:
                 return
 
-    def _write_batch(self, batch: list[_Pending]) -> None:
+    def _write_batch(self, batch: list[_Pending]) -> BaseException | None:
+        """Write and sync the batch; the error that fails it, if any (its callers are told by the
+        caller of this)."""
         error: BaseException | None = self._failed
         if error is None:
             try:
@@ -341,8 +348,7 @@ class Journal:
                 # trusted to append cleanly, so the journal refuses every later record.
                 self._failed = error = exc
                 log.error("journal %s: write failed: %s", self.path, exc)
-        for pending in batch:
-            pending.done(error)
+        return error
 
     async def append(self, record: dict[str, Any], *, alone: bool = False) -> None:
         """Write one record and wait until it is on disk; raises JournalError if it is not.
@@ -365,10 +371,9 @@ class Journal:
                 inline = not self._queue and not self._writing
             if inline:
                 # Only the event loop queues records, and it is here: the writer stays idle meanwhile.
-                errors: list[BaseException | None] = []
-                self._write_batch([_Pending(data, errors.append)])
-                if errors[0] is not None:
-                    raise JournalError(f"journal write failed: {errors[0]}")
+                error = self._write_batch([_Pending(data, _ignore)])
+                if error is not None:
+                    raise JournalError(f"journal write failed: {error}")
                 return
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
@@ -392,6 +397,10 @@ class Journal:
             self._cond.notify()
         self._thread.join()
         os.close(self._fd)
+
+
+def _ignore(error: BaseException | None) -> None:
+    pass
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

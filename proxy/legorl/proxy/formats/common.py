@@ -122,20 +122,35 @@ def _garbage(message: str) -> ProxyError:
 
 
 def _int_list(value: Any, what: str) -> list[int]:
-    # set(map(type, ...)) runs in C: prompts are thousands of ids, checked on every call.
-    if type(value) is not list or not set(map(type, value)) <= {int}:
+    # Prompts are thousands of ids, checked on every call: `sum` runs in C and raises on anything that is
+    # not a number, and its result is an int only if every item was one (JSON's true/false would pass as
+    # 1/0; no engine sends them). About 4x cheaper than a per-item type check.
+    if type(value) is not list:
+        raise _garbage(f"{what} is not a list of token ids")
+    try:
+        total = sum(value)
+    except TypeError:
+        total = None
+    if type(total) is not int:
         raise _garbage(f"{what} is not a list of token ids")
     return value
 
 
 def _logprob_values(entries: list[dict[str, Any]]) -> list[float]:
-    values = []
+    try:
+        values = [entry["logprob"] for entry in entries]
+    except (TypeError, KeyError):
+        values = []
+    else:
+        if set(map(type, values)) <= {float}:  # what an engine sends: done in C
+            return values
+    out = []
     for entry in entries:
         value = entry.get("logprob") if isinstance(entry, dict) else None
-        if not isinstance(value, int | float):
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise _garbage("a logprob entry has no numeric logprob")
-        values.append(float(value))
-    return values
+        out.append(float(value))
+    return out
 
 
 def _choice(body: dict[str, Any]) -> dict[str, Any]:
