@@ -27,7 +27,8 @@ Goals (the proxy's cost issue): added p50 at most 1 ms and proxy CPU at most 2 m
 throughput at least 90% of direct at 16 sessions.
 
 Usage: python benchmarks/proxy_overhead.py [--sessions 64] [--turns 8] [--repeats 3] [--chunk-delay 0]
-       [--targets legorl legorl-reads legorl-fixed litellm] [--json] [--out FILE] [--profile DIR]
+       [--targets legorl legorl-reads legorl-fixed litellm] [--baseline COMMIT] [--json] [--out FILE]
+       [--profile DIR]
 """
 
 from __future__ import annotations
@@ -101,6 +102,12 @@ class Target:
     proxy_args: tuple[str, ...] | None = None
     """`legorl proxy` arguments beyond upstream, journal and port; None: no legorl proxy."""
     litellm: bool = False
+    tree: Path | None = None
+    """Run the proxy of this checkout (a git worktree of `--baseline`) instead of this tree's."""
+
+
+PARTS = ("", "proxy", "operator", "trainer", "sandbox-images")
+"""The folders whose `legorl` trees make up the namespace (pyproject's dev-mode dirs)."""
 
 
 TARGETS = {
@@ -233,7 +240,10 @@ def servers(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[dict[str,
                     "--log-level", "WARNING",
                     *target.proxy_args,
                 ]  # fmt: skip
-                process = subprocess.Popen(command)  # noqa: S603 - this interpreter, our arguments
+                env = dict(os.environ)
+                if target.tree is not None:
+                    env["PYTHONPATH"] = os.pathsep.join(str(target.tree / part) for part in PARTS)
+                process = subprocess.Popen(command, env=env)  # noqa: S603 - this interpreter, our arguments
                 ready = "/ready"
             headers = {"authorization": f"Bearer {LITELLM_KEY}"} if target.litellm else {}
             started.append(Server(target.name, f"http://127.0.0.1:{port}", process, profile, headers))
@@ -250,6 +260,18 @@ def servers(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[dict[str,
             except subprocess.TimeoutExpired:
                 server.process.kill()
                 server.process.wait()
+
+
+@contextlib.contextmanager
+def _worktree(commit: str) -> Iterator[Path]:
+    """A detached git worktree of `commit`, removed afterwards."""
+    tree = Path(tempfile.mkdtemp(prefix="proxy-overhead-baseline-")) / "tree"
+    git = ["git", "-C", str(REPO), "worktree"]
+    subprocess.run([*git, "add", "--detach", str(tree), commit], check=True, capture_output=True)  # noqa: S603
+    try:
+        yield tree
+    finally:
+        subprocess.run([*git, "remove", "--force", str(tree)], check=False)  # noqa: S603
 
 
 # --- the workload ----------------------------------------------------------------------------------
@@ -376,7 +398,8 @@ class Figures:
     added_p50_ms: float | None = None
     added_p99_ms: float | None = None
     throughput_ratio: float | None = None
-    goal_met: bool | None = None
+    goals_missed: list[str] | None = None
+    """Which goals this cell misses: `+p50`, `cpu`, `throughput` (empty: all met; None: direct)."""
 
 
 def figures(rounds: dict[tuple[str, str], list[Round]], targets: list[str]) -> list[Figures]:
@@ -404,11 +427,12 @@ def figures(rounds: dict[tuple[str, str], list[Round]], targets: list[str]) -> l
                 fig.added_p50_ms = fig.p50_ms - direct.p50_ms
                 fig.added_p99_ms = fig.p99_ms - direct.p99_ms
                 fig.throughput_ratio = fig.throughput_rps / direct.throughput_rps
-                fig.goal_met = (
-                    fig.added_p50_ms <= GOAL_ADDED_P50_MS
-                    and cpu.get("proxy", 0.0) <= GOAL_PROXY_CPU_MS
-                    and fig.throughput_ratio >= GOAL_THROUGHPUT_RATIO
-                )
+                missed = {
+                    "+p50": fig.added_p50_ms > GOAL_ADDED_P50_MS,
+                    "cpu": cpu.get("proxy", 0.0) > GOAL_PROXY_CPU_MS,
+                    "throughput": fig.throughput_ratio < GOAL_THROUGHPUT_RATIO,
+                }
+                fig.goals_missed = [name for name, miss in missed.items() if miss]
             out.append(fig)
     return out
 
@@ -445,28 +469,29 @@ def report(figs: list[Figures], args: argparse.Namespace, out: TextIO) -> None:
     print(workload_note(args), file=out)
     print(file=out)
     print(
-        f"{'':35} {'':>8} {'latency, ms':^35} {'':>8} {'':>8} {'CPU ms per call':^23}",
+        f"{'':35} {'':>8} {'latency, ms':^35} {'':>8} {'':>20} {'CPU ms per call':^23}",
         file=out,
     )
     print(
         f"{'mode':6} {'target':28} {'req/s':>8} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8} "
-        f"{'vs direct':>9} {'goal':>8} {'client':>7} {'engine':>7} {'proxy':>7}",
+        f"{'vs direct':>9} {'missed':>20} {'client':>7} {'engine':>7} {'proxy':>7}",
         file=out,
     )
     for f in figs:
-        goal = "-" if f.goal_met is None else ("met" if f.goal_met else "NOT met")
+        goal = "-" if f.goals_missed is None else (",".join(f.goals_missed) or "none")
         ratio = "-" if f.throughput_ratio is None else f"{f.throughput_ratio:.1%}"
         cpu = f.cpu_ms_per_call
         print(
             f"{f.mode:6} {f.target:28} {f.throughput_rps:8.1f} {f.p50_ms:8.2f} {f.p99_ms:8.2f} "
-            f"{cell(f.added_p50_ms, '8.2f'):>8} {cell(f.added_p99_ms, '8.2f'):>8} {ratio:>9} {goal:>8} "
+            f"{cell(f.added_p50_ms, '8.2f'):>8} {cell(f.added_p99_ms, '8.2f'):>8} {ratio:>9} {goal:>20} "
             f"{cpu['client']:7.2f} {cpu['engine']:7.2f} {cell(cpu.get('proxy'), '7.2f'):>7}",
             file=out,
         )
     print(file=out)
     print(
-        f"goal: added p50 <= {GOAL_ADDED_P50_MS:g} ms, proxy CPU <= {GOAL_PROXY_CPU_MS:g} ms per call and "
-        f"throughput >= {GOAL_THROUGHPUT_RATIO:.0%} of direct. +p50/+p99: the proxy's percentile minus "
+        f"goals: added p50 <= {GOAL_ADDED_P50_MS:g} ms (+p50), proxy CPU <= {GOAL_PROXY_CPU_MS:g} ms per "
+        f"call (cpu), throughput >= {GOAL_THROUGHPUT_RATIO:.0%} of direct (throughput); 'missed' lists the "
+        "goals a row misses. +p50/+p99: the proxy's percentile minus "
         "direct's; 'vs direct': req/s through the proxy over req/s direct. Compare within one run, not "
         "across runs.",
         file=out,
@@ -582,12 +607,28 @@ def main(argv: list[str] | None = None) -> None:
         help="run the proxies under cProfile, write DIR/proxy-*.prof and print their hotspots "
         "(profiling slows the proxy: its figures are then not the proxy's)",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="COMMIT",
+        help="also measure the legorl proxy of COMMIT (a git worktree of it, in front of the plain engine, "
+        "with its defaults) in the same interleaved rounds: a before/after in one run",
+    )
     parser.add_argument("--top", type=int, default=25, help="functions shown per profile")
     args = parser.parse_args(argv)
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     out = sys.stderr if args.json else sys.stdout
-    figs = asyncio.run(amain(args, out))
+    with contextlib.ExitStack() as stack:
+        if args.baseline:
+            commit = subprocess.run(  # noqa: S603
+                ["git", "-C", str(REPO), "rev-parse", "--verify", f"{args.baseline}^{{commit}}"],  # noqa: S607
+                capture_output=True, text=True, check=True,
+            ).stdout.strip()  # fmt: skip
+            args.baseline = commit
+            tree = stack.enter_context(_worktree(commit))
+            TARGETS["baseline"] = Target(f"legorl @ {commit[:7]}", "plain", (), tree=tree)
+            args.targets = ["baseline", *args.targets]
+        figs = asyncio.run(amain(args, out))
     if args.json or args.out:
         document = {
             "git_commit": git_commit(),
@@ -603,6 +644,7 @@ def main(argv: list[str] | None = None) -> None:
                 "chunk_delay_seconds": args.chunk_delay,
             },
             "targets": {TARGETS[k].name: k for k in args.targets},
+            "baseline_commit": args.baseline,
             "goal": {
                 "added_p50_ms_at_most": GOAL_ADDED_P50_MS,
                 "proxy_cpu_ms_per_call_at_most": GOAL_PROXY_CPU_MS,
