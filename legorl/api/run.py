@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Annotated, Final, Literal
 
 from pydantic import Field, Strict
 
@@ -37,6 +39,23 @@ from legorl.api.pool import SandboxPoolSpec
 from legorl.api.termination import INFRA_REASONS, TerminationReason
 
 HarnessKind = Literal["ClaudeCode", "Codex", "OpenCode", "OpenHands", "MiniSweAgent", "Custom"]
+
+# The loss settings: spelled here once; the trainer's settings and loss functions import them.
+AlgorithmName = Literal["GRPO", "GSPO", "PPO"]
+AdvantageMode = Literal["GroupMeanStd", "GroupMean"]
+ImportanceMode = Literal["Truncated", "Masked", "Disabled"]
+LossAggregation = Literal["TokenMean", "SequenceMeanTokenMean", "SequenceMeanTokenSum"]
+DEFAULT_CLIP: Final[Mapping[AlgorithmName, tuple[float, float]]] = MappingProxyType(
+    {
+        "GRPO": (0.2, 0.28),
+        "PPO": (0.2, 0.28),
+        # GSPO's ratio is a per-token geometric mean, so it moves far less than a token ratio;
+        # the GSPO paper clips it at 3e-4 / 4e-4.
+        "GSPO": (3e-4, 4e-4),
+    }
+)
+"""(clipLow, clipHigh) per algorithm when the RLRun leaves them unset (`Algorithm.clip_low`'s doc says
+the same)."""
 ApiFormatName = Literal["AnthropicMessages", "OpenAIResponses", "OpenAIChatCompletions"]
 
 NATIVE_API_FORMAT: dict[str, ApiFormatName] = {
@@ -172,7 +191,7 @@ class ImportanceCorrection(ApiModel):
         ),
     )
 
-    mode: Literal["Truncated", "Masked", "Disabled"] = "Truncated"
+    mode: ImportanceMode = "Truncated"
     """`Truncated` clips weights at `cap` (TIS); `Masked` drops tokens above `cap` (MIS)."""
     cap: DecimalString = "2.0"
     """Upper bound of the importance weight."""
@@ -212,7 +231,7 @@ class Algorithm(ApiModel):
         ),
     )
 
-    name: Literal["GRPO", "GSPO", "PPO"] = "GRPO"
+    name: AlgorithmName = "GRPO"
     """`GRPO` (token-level ratio, group baseline), `GSPO` (sequence-level ratio), `PPO` (token-level
     clipped ratio with a group-mean baseline)."""
     group_size: Annotated[int, Field(ge=1, le=512)] = 8
@@ -231,9 +250,9 @@ class Algorithm(ApiModel):
     """Weight of the KL penalty to the reference model (0 = no reference model is loaded)."""
     entropy_coef: DecimalString = "0"
     """Weight of the entropy bonus."""
-    advantage: Literal["GroupMeanStd", "GroupMean"] = "GroupMeanStd"
+    advantage: AdvantageMode = "GroupMeanStd"
     """Advantage estimate: reward minus group mean, divided by the group's std or not (Dr. GRPO)."""
-    loss_aggregation: Literal["TokenMean", "SequenceMeanTokenMean", "SequenceMeanTokenSum"] = "TokenMean"
+    loss_aggregation: LossAggregation = "TokenMean"
     """How token losses combine into the batch loss."""
     importance_correction: ImportanceCorrection = Field(default_factory=ImportanceCorrection)
     """Correction for the gap between rollout and training probabilities."""

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal, TypeAlias
+from typing import TypeAlias
 
 import torch
 from torch import Tensor
+
+from legorl.api.run import DEFAULT_CLIP, AdvantageMode, AlgorithmName, ImportanceMode, LossAggregation
 
 __all__ = [
     "AdvantageMode",
@@ -47,18 +49,8 @@ MaskTensor: TypeAlias = Tensor
 Scalar: TypeAlias = Tensor
 """A 0-dim tensor."""
 
-AlgorithmName = Literal["GRPO", "GSPO", "PPO"]
-AdvantageMode = Literal["GroupMeanStd", "GroupMean"]
-ImportanceMode = Literal["Truncated", "Masked", "Disabled"]
-Aggregation = Literal["TokenMean", "SequenceMeanTokenMean", "SequenceMeanTokenSum"]
-
-_DEFAULT_CLIP: dict[str, tuple[float, float]] = {
-    "GRPO": (0.2, 0.28),
-    "PPO": (0.2, 0.28),
-    # GSPO's ratio is a per-token geometric mean, so it moves far less than a token ratio;
-    # the GSPO paper clips it at 3e-4 / 4e-4.
-    "GSPO": (3e-4, 4e-4),
-}
+Aggregation: TypeAlias = LossAggregation
+"""The RLRun's `lossAggregation` (`legorl.api.run.LossAggregation`)."""
 
 # Bound on |log ratio| before exponentiating, so exp never overflows into inf·0 = NaN; a
 # ratio of e^20 is already far past any cap or clip.
@@ -68,7 +60,7 @@ _MAX_LOG_RATIO = 20.0
 def default_clip(algorithm: AlgorithmName) -> tuple[float, float]:
     """(clipLow, clipHigh) used when the RLRun leaves them unset: 0.2/0.28 (GRPO, PPO), 3e-4/4e-4 (GSPO)."""
     try:
-        return _DEFAULT_CLIP[algorithm]
+        return DEFAULT_CLIP[algorithm]
     except KeyError:
         raise ValueError(f"unknown algorithm {algorithm!r}; expected GRPO, GSPO or PPO") from None
 

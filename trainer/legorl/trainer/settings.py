@@ -15,11 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from legorl.api.kinds import RLRun
 from legorl.api.layout import ModelShape, ParallelLayout
+from legorl.api.run import DEFAULT_CLIP, AdvantageMode, AlgorithmName, ImportanceMode, LossAggregation
 from legorl.api.termination import TerminationReason
-
-AlgorithmName = Literal["GRPO", "GSPO", "PPO"]
-DEFAULT_CLIP: dict[str, tuple[float, float]] = {"GRPO": (0.2, 0.28), "PPO": (0.2, 0.28), "GSPO": (3e-4, 4e-4)}
-"""(clip_low, clip_high) per algorithm when the RLRun leaves them unset (as documented on the CRD)."""
 
 
 class SettingsError(ValueError):
@@ -47,9 +44,9 @@ class TrainerSettings(BaseModel):
     clip_high: Annotated[float, Field(gt=0)] = 0.28
     kl_coef: Annotated[float, Field(ge=0)] = 0.0
     entropy_coef: Annotated[float, Field(ge=0)] = 0.0
-    advantage: Literal["GroupMeanStd", "GroupMean"] = "GroupMeanStd"
-    loss_aggregation: Literal["TokenMean", "SequenceMeanTokenMean", "SequenceMeanTokenSum"] = "TokenMean"
-    importance_mode: Literal["Truncated", "Masked", "Disabled"] = "Truncated"
+    advantage: AdvantageMode = "GroupMeanStd"
+    loss_aggregation: LossAggregation = "TokenMean"
+    importance_mode: ImportanceMode = "Truncated"
     importance_cap: Annotated[float, Field(ge=1)] = 2.0
     mini_batches: Annotated[int, Field(ge=1)] = 1
     temperature: Annotated[float, Field(gt=0)] = 1.0
