@@ -1,17 +1,11 @@
-"""A string enum whose members carry a one-line meaning; no dependencies."""
+"""A string enum whose members carry a one-line meaning; no dependencies.
+
+Defined in `legorl.sandbox.outcomes` (standard library only), where the termination reasons that
+the sandbox stages and the API share need it; every documented enum of the API uses the same class.
+"""
 
 from __future__ import annotations
 
-from enum import StrEnum
+from legorl.sandbox.outcomes import DocumentedEnum
 
-
-class DocumentedEnum(StrEnum):
-    """A string enum whose members carry a one-line meaning (used by docs and the UI)."""
-
-    description: str
-
-    def __new__(cls, value: str, description: str = "") -> DocumentedEnum:
-        member = str.__new__(cls, value)
-        member._value_ = value
-        member.description = description
-        return member
+__all__ = ["DocumentedEnum"]

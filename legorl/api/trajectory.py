@@ -2,10 +2,10 @@
 
 One module, shared by the proxy (writes turns), the run controller (writes trial
 records), the trainer (reads segments) and the UI (reads everything). It
-depends on pyarrow and numpy and nothing else of ours but the termination reasons.
-The schema is versioned: every table carries `legorl.schema` and
-`legorl.schema_version` in its metadata, and readers refuse a version they do not
-know instead of misreading it.
+depends on pyarrow and numpy and nothing else of ours but the termination reasons
+and tamper kinds (`legorl.sandbox.outcomes`). The schema is versioned: every table
+carries `legorl.schema` and `legorl.schema_version` in its metadata, and readers
+refuse a version they do not know instead of misreading it.
 
 Routed experts (which experts each MoE layer sent each token to) are by far the
 largest part of a trajectory: (tokens − 1) × layers × top_k ids, a hundred million
@@ -41,19 +41,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Final, Literal, TypeAlias, get_args
+from typing import Any, Final, Literal, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
 from legorl.api.termination import INFRA_REASONS, TerminationReason
+from legorl.sandbox.outcomes import TAMPER_KINDS, TamperKind
 
 __all__ = [
     "INFRA_REASONS",
     "READABLE_SCHEMA_VERSIONS",
     "ROUTING_DTYPES",
     "SCHEMA_VERSION",
+    "TAMPER_KINDS",
     "TRIAL_SCHEMA",
     "TRIAL_SCHEMA_V1",
     "TURN_SCHEMA",
@@ -62,6 +64,7 @@ __all__ = [
     "ExpertIds",
     "Segment",
     "TamperFinding",
+    "TamperKind",
     "TerminationReason",
     "TrajectoryError",
     "TrialRecord",
@@ -529,18 +532,6 @@ class Segment:
             routed_experts=decode_routing(obj.get("routed_experts"), shape),
             routed_experts_shape=tuple(shape) if shape is not None else None,
         )
-
-
-TamperKind = Literal[
-    "test_file_modified",
-    "test_hook_added",
-    "symlink",
-    "binary_patch",
-    "outside_repo",
-    "egress_attempt",
-    "results_tampered",
-]
-TAMPER_KINDS: frozenset[str] = frozenset(get_args(TamperKind))
 
 
 @dataclass(frozen=True)

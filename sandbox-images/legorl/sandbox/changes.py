@@ -20,20 +20,10 @@ import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO
 
+from legorl.sandbox.outcomes import TamperKind
 from legorl.sandbox.paths import hook_reason, is_test_path
-
-FindingKind = Literal[
-    "test_file_modified",
-    "test_hook_added",
-    "symlink",
-    "binary_patch",
-    "outside_repo",
-    "egress_attempt",
-    "results_tampered",
-]
-"""Same closed set as `legorl.api.trajectory.TamperFinding.kind` (a test keeps them equal)."""
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
 MAX_TOTAL_BYTES = 32 * 1024 * 1024
@@ -48,7 +38,7 @@ EXCLUDED_DIRS = frozenset({".git"})
 class Finding:
     """One thing in the agent's changes that could game the reward; stripped and reported."""
 
-    kind: FindingKind
+    kind: TamperKind
     path: str | None
     detail: str
 

@@ -1,6 +1,6 @@
 """One trial on the local backend: setup → agent → capture → verify, with stage timings and outcome.
 
-The termination reason uses the closed set of DESIGN §5 (`legorl.api.termination`); a proxy-side
+The termination reason uses the closed set of DESIGN §5 (`legorl.sandbox.outcomes`); a proxy-side
 reason (turn limit, context overflow, engine error) is reconciled by the run controller.
 """
 
@@ -33,6 +33,7 @@ from legorl.sandbox.local import (
     SandboxError,
     parse_report,
 )
+from legorl.sandbox.outcomes import TerminationReason
 from legorl.sandbox.task import Task, TaskSet
 
 TRIAL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -44,7 +45,7 @@ class TrialOutcome:
 
     trial: str
     task_id: str
-    termination_reason: str
+    termination_reason: TerminationReason
     reward: float | None
     checks: list[Check] = field(default_factory=list)
     findings: list[ch.Finding] = field(default_factory=list)
@@ -130,7 +131,7 @@ class _Trial:
             self.mounts.append(path)
         return path
 
-    def fail(self, reason: str, error: str) -> TrialOutcome:
+    def fail(self, reason: TerminationReason, error: str) -> TrialOutcome:
         self.out.termination_reason, self.out.error = reason, error
         return self.out
 
@@ -148,7 +149,7 @@ class _Trial:
         self.out.stage_seconds["setup"] = time.monotonic() - started
         failed = [c for c in staged.checks if not c.passed]
         if failed:
-            self.fail("defense_failed", "; ".join(f"{c.name}: {c.message}" for c in failed))
+            self.fail(TerminationReason.DEFENSE_FAILED, "; ".join(f"{c.name}: {c.message}" for c in failed))
             return None
         return staged
 
@@ -198,20 +199,23 @@ class _Trial:
         out.agent_exit_code = run.returncode
         out.agent_output = run.output[-20000:]
         if run.cancelled:
-            self.fail("cancelled", "the trial was cancelled while its agent ran")
+            self.fail(TerminationReason.CANCELLED, "the trial was cancelled while its agent ran")
             return False
         checks = parse_report(run.report) if egress_locked else []
         out.checks.extend(checks)
         failed = [c for c in checks if not c.passed]
         if failed:  # an empty or missing report is itself a failed check
             self.fail(
-                "defense_failed", "; ".join(f"{c.name}: {c.message}" for c in failed) or run.output[-500:]
+                TerminationReason.DEFENSE_FAILED,
+                "; ".join(f"{c.name}: {c.message}" for c in failed) or run.output[-500:],
             )
             return False
         if run.timed_out:
-            out.termination_reason = "agent_timeout"
+            out.termination_reason = TerminationReason.AGENT_TIMEOUT
         else:
-            out.termination_reason = "completed" if run.returncode == 0 else "agent_error"
+            out.termination_reason = (
+                TerminationReason.COMPLETED if run.returncode == 0 else TerminationReason.AGENT_ERROR
+            )
         return True
 
     def verify(self, staged: stages.SetupResult, seconds: float) -> TrialOutcome:
@@ -232,7 +236,7 @@ class _Trial:
         try:
             tree = stages.prepare_verify(pristine, verify_dir / "repo", task, captured)
         except (GradeError, ValueError) as exc:
-            return self.fail("verifier_error", str(exc))
+            return self.fail(TerminationReason.VERIFIER_ERROR, str(exc))
         out.findings = tree.findings
         out.diff = ch.unified_diff(tree.applied, pristine)
         if backend.defenses.tamper_policy == "FailTrial" and out.findings:
@@ -255,7 +259,9 @@ class _Trial:
                 out.findings.append(ch.Finding("results_tampered", None, f"no test results: {exc}"))
                 out.reward, out.error = 0.0, f"the tests produced no results with the agent's changes: {tail}"
                 return out
-            return self.fail("verifier_error", f"{exc}; the test command exited {run.returncode}: {tail}")
+            return self.fail(
+                TerminationReason.VERIFIER_ERROR, f"{exc}; the test command exited {run.returncode}: {tail}"
+            )
         out.findings.extend(tampered)
         out.reward = out.grade.reward
         return out
@@ -357,7 +363,10 @@ def run_local_trial(
             f"trial id {trial_id!r}: use 1-128 letters, digits, '.', '_' or '-' (it names folders)"
         )
     out = TrialOutcome(
-        trial=trial_id, task_id=task.instance_id, termination_reason="sandbox_error", reward=None
+        trial=trial_id,
+        task_id=task.instance_id,
+        termination_reason=TerminationReason.SANDBOX_ERROR,
+        reward=None,
     )
     trial_dir = backend.root / "trials" / trial_id
     if trial_dir.exists():
@@ -382,8 +391,8 @@ def run_local_trial(
             after_agent(out)
         return trial.verify(staged, verify_seconds)
     except SandboxError as exc:
-        return trial.fail("sandbox_error", str(exc))
+        return trial.fail(TerminationReason.SANDBOX_ERROR, str(exc))
     except workspace.SetupError as exc:
-        return trial.fail("sandbox_error", f"setup: {exc}")
+        return trial.fail(TerminationReason.SANDBOX_ERROR, f"setup: {exc}")
     finally:
         trial.close(keep)
