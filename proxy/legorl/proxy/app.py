@@ -26,7 +26,6 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
@@ -37,9 +36,11 @@ from legorl.proxy import _json as fastjson
 from legorl.proxy.errors import ProxyError, error_body
 from legorl.proxy.formats import anthropic, chat, responses
 from legorl.proxy.formats.common import (
+    ClientFormat,
     Completion,
     Prepared,
     StreamAccumulator,
+    StreamEncoder,
     TextDelta,
     ToolCallStart,
     completion_from_response,
@@ -62,7 +63,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-_FORMATS: dict[str, ModuleType] = {
+_FORMATS: dict[str, ClientFormat] = {
     "/chat/completions": chat,
     "/responses": responses,
     "/messages": anthropic,
@@ -161,14 +162,14 @@ class _Disconnect:
 class _Call:
     """One model call in flight."""
 
-    fmt: ModuleType
+    fmt: ClientFormat
     prepared: Prepared
     raw_request: bytes
     send: Send
     disconnect: _Disconnect
     span: Any
     """The call's span (a `_NoSpan` when untraced)."""
-    encoder: Any
+    encoder: StreamEncoder | None
     headers_sent: bool = False
     ttft: float | None = None
     t0: float = field(default_factory=time.perf_counter)
@@ -356,7 +357,7 @@ class ProxyApp:
     # -- model calls -----------------------------------------------------------------------------
 
     async def _model_call(
-        self, fmt: ModuleType, body: dict[str, Any], request: _Request, receive: Receive, send: Send
+        self, fmt: ClientFormat, body: dict[str, Any], request: _Request, receive: Receive, send: Send
     ) -> None:
         assert self.trial is not None and self.upstream is not None
         api_format: ApiFormat = fmt.API_FORMAT

@@ -9,7 +9,7 @@ What Claude Code sends beyond the engine's reach is accepted and dropped, not re
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from legorl.api.trajectory import ApiFormat
 from legorl.proxy.errors import ProxyError, error_body
@@ -30,6 +30,9 @@ from legorl.proxy.formats.common import (
     string_list,
     tool_list,
 )
+
+if TYPE_CHECKING:
+    from legorl.proxy.settings import ProxySettings
 
 API_FORMAT = ApiFormat.ANTHROPIC_MESSAGES
 
@@ -183,7 +186,7 @@ def _tool_choice(value: Any) -> Any:
     raise ProxyError("invalid_request", "tool_choice.type must be auto, any, tool (with a name) or none")
 
 
-def prepare(body: dict[str, Any], settings: Any) -> Prepared:
+def prepare(body: dict[str, Any], settings: ProxySettings) -> Prepared:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ProxyError("invalid_request", "model: field required", param="model")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from legorl.api.trajectory import ApiFormat
 from legorl.proxy.errors import ProxyError, error_body
@@ -23,6 +23,9 @@ from legorl.proxy.formats.common import (
     string_list,
     tool_list,
 )
+
+if TYPE_CHECKING:
+    from legorl.proxy.settings import ProxySettings
 
 API_FORMAT = ApiFormat.OPENAI_CHAT
 
@@ -71,7 +74,7 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
     return value or None
 
 
-def prepare(body: dict[str, Any], settings: Any) -> Prepared:
+def prepare(body: dict[str, Any], settings: ProxySettings) -> Prepared:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ProxyError("invalid_request", "model is required", param="model")

@@ -13,10 +13,14 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from legorl.proxy import _json as fastjson
 from legorl.proxy.errors import ProxyError
+
+if TYPE_CHECKING:
+    from legorl.api.trajectory import ApiFormat
+    from legorl.proxy.settings import ProxySettings
 
 __all__ = [
     "Completion",
@@ -115,6 +119,44 @@ class ToolCallArgs:
 
 
 Event = TextDelta | LogprobsDelta | ReasoningDelta | ToolCallStart | ToolCallArgs
+
+
+class StreamEncoder(Protocol):
+    """A format's stream: its events, as SSE bytes, from the normalised `Completion` and `Event`s."""
+
+    def head(self, comp: Completion) -> list[bytes]:
+        """What opens the stream, once the engine's first chunk is in."""
+        ...
+
+    def event(self, event: Event) -> list[bytes]:
+        """One normalised event in the format's own events (maybe none)."""
+        ...
+
+    def tail(self, comp: Completion) -> list[bytes]:
+        """What closes the stream, once the engine's answer is whole."""
+        ...
+
+    def error(self, error: ProxyError) -> list[bytes]:
+        """The format's own error event, for a failure after the stream began."""
+        ...
+
+
+class ClientFormat(Protocol):
+    """One client API; each of `formats.chat`, `formats.responses` and `formats.anthropic` is one."""
+
+    API_FORMAT: ApiFormat
+
+    def prepare(self, body: dict[str, Any], settings: ProxySettings) -> Prepared:
+        """The client's request as one engine call; ProxyError (4xx) on a malformed request."""
+        ...
+
+    def response(self, prepared: Prepared, comp: Completion) -> dict[str, Any]:
+        """The whole answer in the client's schema."""
+        ...
+
+    def Encoder(self, prepared: Prepared) -> StreamEncoder:  # a class in each module
+        """The stream encoder of one streamed call."""
+        ...
 
 
 def _garbage(message: str) -> ProxyError:
@@ -409,7 +451,7 @@ def engine_body(
     *,
     messages: list[dict[str, Any]],
     stream: bool,
-    settings: Any,
+    settings: ProxySettings,
     max_tokens: int | None,
     temperature: float | None,
     top_p: float | None,
@@ -420,7 +462,7 @@ def engine_body(
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `/v1/chat/completions` body sent to the engine, with capture on and the run's sampling
-    enforced over the harness's (`settings` is the proxy's `ProxySettings`)."""
+    enforced over the harness's."""
     body: dict[str, Any] = {
         "model": settings.served_model_name,
         "messages": system_first(messages),

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from legorl.api.trajectory import ApiFormat
 from legorl.proxy.errors import ProxyError, error_body
@@ -46,6 +46,9 @@ from legorl.proxy.formats.common import (
     sse,
     tool_list,
 )
+
+if TYPE_CHECKING:
+    from legorl.proxy.settings import ProxySettings
 
 API_FORMAT = ApiFormat.OPENAI_RESPONSES
 
@@ -269,7 +272,7 @@ def _tool_choice(value: Any) -> Any:
     )
 
 
-def prepare(body: dict[str, Any], settings: Any) -> Prepared:
+def prepare(body: dict[str, Any], settings: ProxySettings) -> Prepared:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ProxyError("invalid_request", "model is required", param="model")
