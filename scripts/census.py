@@ -1,0 +1,151 @@
+"""Counts of what the parts of a checkout share by spelling instead of by type (issue 20's before/after).
+
+Usage: python scripts/census.py [--repo DIR] [--json]
+
+Every count is over the tracked `.py` files outside `tests/` (and, for the string-keyed reads, outside the
+component that owns the data). The counts are textual, so read them as a trend between two trees measured
+the same way, not as exact facts:
+
+- `dict_str_any`: occurrences of `dict[str, Any]`.
+- `string_keyed_reads`: `x["key"]`, `x.get("key"` or `x.pop("key"` with a key of another component's
+  data: the trainer's step figures (`legorl.trainer.telemetry.STEP_FIGURES`) outside `trainer/`, and the
+  keys of the proxy's `/trajectory` body that the issue names outside `proxy/`.
+- `label_literals`: string literals `"legorl.dev/..."` (label and annotation keys), definitions included.
+- `store_path_literals`: string literals naming a run-store path (`batches/`, `weights/`, `metrics/`,
+  `trials/`, `evals/`, `validation/`, `controller/state.json`, `trainer/state.json`, `run.json`, a marker
+  file) outside `legorl/api/store.py`.
+- `duplicate_pairs`: pairs of places sharing six or more lines, from the library's `duplicates` command
+  over a copy of the non-test files (absent when the command is not installed).
+- `largest_files`: the five largest files by line count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+TRAJECTORY_KEYS = ("end", "policyVersions", "mergedTurnShare", "finishReasons", "turns")
+"""The `/trajectory` keys issue 20 names as read back by string in the controller and the operator."""
+STORE_PATH = re.compile(
+    r"^(batches|weights|metrics|trials|evals|validation|controller|trainer)/"
+    r"|^(run\.json|COMMIT\.json|PUBLISHED\.json|legorl-weights\.json|state\.json|latest\.json)$"
+)
+STORE_MODULE = "legorl/api/store.py"
+
+
+def source_files(repo: Path) -> list[Path]:
+    listed = subprocess.run(  # noqa: S603
+        ["git", "-C", str(repo), "ls-files", "*.py"],  # noqa: S607
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return [Path(name) for name in listed if not name.startswith("tests/")]
+
+
+def step_figure_keys(repo: Path) -> set[str]:
+    """The trainer's step-figure names, read from its telemetry module's source (no import)."""
+    tree = ast.parse((repo / "trainer/legorl/trainer/telemetry.py").read_text())
+    target: ast.expr
+    value: ast.expr | None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == "STEP_FIGURES" and isinstance(value, ast.Dict):
+            return {k.value for k in value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    raise SystemExit("no STEP_FIGURES in trainer/legorl/trainer/telemetry.py")
+
+
+def string_keyed_reads(text: str, keys: set[str]) -> int:
+    count = 0
+    for key in keys:
+        quoted = re.escape(f'"{key}"')
+        count += len(re.findall(rf"\[\s*{quoted}\s*\]|\.(?:get|pop)\(\s*{quoted}", text))
+    return count
+
+
+def string_literals(text: str) -> list[str]:
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def duplicate_pairs(repo: Path, files: list[Path]) -> int | None:
+    if shutil.which("duplicates") is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in files:
+            target = Path(tmp) / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(repo / name, target)
+        out = subprocess.run(  # noqa: S603
+            ["duplicates", "--repo", tmp, "--most", "1", "--seconds", "300"],  # noqa: S607
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+    match = re.search(r"^(\d+) pairs of places", out, re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
+def census(repo: Path) -> dict[str, Any]:
+    files = source_files(repo)
+    figure_keys = step_figure_keys(repo)
+    counts = {"dict_str_any": 0, "string_keyed_reads": 0, "label_literals": 0, "store_path_literals": 0}
+    sizes = []
+    for name in files:
+        text = (repo / name).read_text()
+        sizes.append((text.count("\n"), str(name)))
+        counts["dict_str_any"] += text.count("dict[str, Any]")
+        if not str(name).startswith("trainer/"):
+            counts["string_keyed_reads"] += string_keyed_reads(text, figure_keys)
+        if not str(name).startswith("proxy/"):
+            counts["string_keyed_reads"] += string_keyed_reads(text, set(TRAJECTORY_KEYS))
+        literals = string_literals(text)
+        counts["label_literals"] += sum(1 for s in literals if s.startswith("legorl.dev/"))
+        if str(name) != STORE_MODULE:
+            counts["store_path_literals"] += sum(1 for s in literals if STORE_PATH.search(s))
+    sizes.sort(reverse=True)
+    return {
+        **counts,
+        "duplicate_pairs": duplicate_pairs(repo, files),
+        "largest_files": [{"path": path, "lines": lines} for lines, path in sizes[:5]],
+        "files": len(files),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    result = census(args.repo)
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        return
+    lines = []
+    for key, value in result.items():
+        if key == "largest_files":
+            lines.append("largest_files:")
+            lines.extend(f"  {item['lines']:6d}  {item['path']}" for item in value)
+        else:
+            lines.append(f"{key}: {value}")
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
