@@ -112,9 +112,9 @@ def worker(args: argparse.Namespace) -> None:
     from legorl.api.store import RunStore  # noqa: PLC0415
     from legorl.trainer import parallel  # noqa: PLC0415
     from legorl.trainer.convert import HfExport  # noqa: PLC0415
+    from legorl.trainer.publish import publish_weights  # noqa: PLC0415
     from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
     from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
-    from legorl.trainer.weight_sync import publish_weights  # noqa: PLC0415
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     settings = TrainerSettings(

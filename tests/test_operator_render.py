@@ -198,7 +198,7 @@ def test_vllm_command_line_follows_the_spec() -> None:
         "--enable-return-routed-experts",
         "--enable-auto-tool-choice --tool-call-parser hermes",
         '--weight-transfer-config {"backend":"legorl_filesystem"}',
-        "--worker-extension-cls legorl.trainer.weight_sync.FilesystemWeightTransfer",
+        "--worker-extension-cls legorl.trainer.engine_plugin.FilesystemWeightTransfer",
         "--middleware legorl.trainer.engine_versions.WeightVersions",
     ):
         assert expected in joined, expected

@@ -29,6 +29,7 @@ from legorl.api.trajectory import (
     TrialRecord,
     routing_array,
 )
+from legorl.api.weights import PUBLISHED_MARKER, PublishedWeights
 from tests.trajectory_v1 import write_v1_batch, write_v1_saved_trial
 
 T0 = datetime(2025, 6, 1, 8, 30, tzinfo=UTC)
@@ -314,7 +315,7 @@ def test_publish_weights(store: RunStore) -> None:
     assert store.published_versions() == []
     assert store.read_published("v2") is None
     published = store.record_weights("v2", 2, digest)
-    assert published.files == ["model.safetensors"]
+    assert published.files == ("model.safetensors",)
     assert published.path == store.weights_path("v2")
     store.record_weights("v10", 10, "cd" * 32)
     store.record_weights("v1", 1, "ef" * 32)
@@ -330,6 +331,26 @@ def test_publish_weights(store: RunStore) -> None:
         store.record_weights("v1", 1, "xyz")
     with pytest.raises(ValueError, match="v<step>"):
         store.weights_path("../v1")
+
+
+def test_the_weights_marker_round_trips_and_names_what_is_wrong(store: RunStore) -> None:
+    store.write_object("weights/v3/model.safetensors", b"weights")
+    published = store.record_weights("v3", 3, "ab" * 32, files=["model.safetensors"], num_tensors=2)
+    assert (published.num_tensors, published.bytes) == (2, len(b"weights"))
+    marker = json.loads(store.fs.cat_file(store.fs_path(f"weights/v3/{PUBLISHED_MARKER}")))
+    assert PublishedWeights.from_json(marker) == published
+    assert PublishedWeights.from_json(published.to_json(), path="elsewhere") == published
+    store.write_object("weights/v4/config.json", b"{}")
+    with pytest.raises(StoreError, match="lacks the weight file"):
+        store.record_weights("v4", 4, "ab" * 32, files=["model.safetensors"])
+    for broken, problem in [
+        ({**marker, "format": 2}, "format 2 is not 1"),
+        ({**marker, "files": []}, "files must be a non-empty list"),
+        ({**marker, "num_tensors": -1}, "num_tensors must be an integer"),
+    ]:
+        store.write_object(f"weights/v3/{PUBLISHED_MARKER}", json.dumps(broken).encode())
+        with pytest.raises(StoreError, match=problem):
+            store.read_published("v3")
 
 
 def test_local_path_only_for_local_stores(store: RunStore, tmp_path: Path) -> None:

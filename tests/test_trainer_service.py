@@ -102,8 +102,8 @@ def commit(store: RunStore, batches: list[list[TrialRecord]], steps: range) -> N
 def test_service_trains_publishes_and_records(
     tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]
 ) -> None:
+    from legorl.trainer.publish import read_published  # noqa: PLC0415
     from legorl.trainer.service import TrainingService  # noqa: PLC0415
-    from legorl.trainer.weight_sync import read_published  # noqa: PLC0415
 
     store = RunStore(str(tmp_path / "store"))
     commit(store, batches, range(1, 3))

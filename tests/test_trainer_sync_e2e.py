@@ -41,7 +41,7 @@ def server(tiny: Path) -> Iterator[VllmServer]:
         "--weight-transfer-config",
         '{"backend":"legorl_filesystem"}',
         "--worker-extension-cls",
-        "legorl.trainer.weight_sync.FilesystemWeightTransfer",
+        "legorl.trainer.engine_plugin.FilesystemWeightTransfer",
     ]
     with VllmServer(tiny, max_model_len=1024, extra_args=extra) as running:
         yield running
@@ -179,8 +179,10 @@ def test_restart_after_a_failed_sync_brings_the_fleet_up_to_date(
     tiny: Path, server: VllmServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """v2 is published and recorded but its sync fails for good: the restarted trainer loads it."""
+    from legorl.api.weights import PublishedWeights  # noqa: PLC0415
+    from legorl.trainer.fleet_sync import FleetWeightSync  # noqa: PLC0415
+    from legorl.trainer.publish import WeightSyncError  # noqa: PLC0415
     from legorl.trainer.service import TrainingService  # noqa: PLC0415
-    from legorl.trainer.weight_sync import FleetWeightSync, PublishedWeights, WeightSyncError  # noqa: PLC0415
 
     with httpx.Client(base_url=server.url, timeout=120) as http:
         store = RunStore(str(tmp_path / "store"))

@@ -24,21 +24,21 @@ import torch
 from openai.types.chat import ChatCompletionMessageParam
 from safetensors.torch import load_file, save_file
 
+from legorl.api.store import RunStore
+from legorl.api.weights import PUBLISHED_MARKER, PublishedWeights
 from legorl.proxy.app import ProxyApp
 from legorl.proxy.journal import read_journal
 from legorl.proxy.settings import ProxySettings
-from legorl.trainer.tiny import make_tiny_model
-from legorl.trainer.weight_sync import (
+from legorl.trainer.fleet_sync import FleetWeightSync, update_info
+from legorl.trainer.publish import (
     INDEX_FILE,
-    MANIFEST_NAME,
     REJECTED,
-    FleetWeightSync,
-    PublishedWeights,
     WeightSyncError,
     publish_weights,
     read_published,
     sha256_files,
 )
+from legorl.trainer.tiny import make_tiny_model
 from tests.asgi_server import serve
 from tests.engine import SERVED_MODEL_NAME, VllmServer, free_port
 
@@ -46,7 +46,7 @@ ENGINE_ARGS = [
     "--weight-transfer-config",
     '{"backend":"legorl_filesystem"}',
     "--worker-extension-cls",
-    "legorl.trainer.weight_sync.FilesystemWeightTransfer",
+    "legorl.trainer.engine_plugin.FilesystemWeightTransfer",
     "--middleware",
     "legorl.trainer.engine_versions.WeightVersions",
 ]
@@ -95,10 +95,10 @@ def test_publish_then_read_round_trips(tmp_path: Path) -> None:
     tensors = _shifted(_source_checkpoint(source))
     published = publish_weights(tensors, tmp_path / "weights" / "v1", version="v1", source_dir=source)
 
-    assert published.path == tmp_path / "weights" / "v1"
+    assert Path(published.path) == tmp_path / "weights" / "v1"
     assert published.version == "v1"
     assert published.num_tensors == len(tensors)
-    safetensors_file = published.path / "model.safetensors"
+    safetensors_file = Path(published.path) / "model.safetensors"
     assert published.bytes == safetensors_file.stat().st_size
     assert published.sha256 == sha256_files([safetensors_file])
     assert read_published(published.path) == published
@@ -107,24 +107,24 @@ def test_publish_then_read_round_trips(tmp_path: Path) -> None:
     assert on_disk.keys() == tensors.keys()
     for name, tensor in tensors.items():
         assert torch.equal(on_disk[name], tensor), name
-    copied = sorted(p.name for p in published.path.iterdir())
+    copied = sorted(p.name for p in Path(published.path).iterdir())
     assert copied == sorted(
         [
             "chat_template.jinja",
             "config.json",
             "generation_config.json",
-            MANIFEST_NAME,
+            PUBLISHED_MARKER,
             "model.safetensors",
             "tokenizer.json",
             "tokenizer_config.json",
         ]
     )
-    manifest = json.loads((published.path / MANIFEST_NAME).read_text())
+    manifest = json.loads((Path(published.path) / PUBLISHED_MARKER).read_text())
     assert manifest["version"] == "v1"
     assert manifest["sha256"] == published.sha256
     assert manifest["num_tensors"] == len(tensors)
-    assert manifest["created"].endswith("+00:00")
-    assert published.update_info() == {
+    assert manifest["published_at"].endswith("+00:00")
+    assert update_info(published) == {
         "path": str(published.path),
         "version": "v1",
         "sha256": published.sha256,
@@ -133,16 +133,40 @@ def test_publish_then_read_round_trips(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v1"]
 
 
+def test_the_run_store_reads_the_marker_the_publisher_writes(tmp_path: Path) -> None:
+    """One marker: a directory published on its own is a published version of the run store around it."""
+    source = tmp_path / "source"
+    tensors = _shifted(_source_checkpoint(source))
+    store = RunStore(str(tmp_path / "store"))
+    published = publish_weights(
+        tensors, tmp_path / "store" / "weights" / "v1", version="v1", source_dir=source
+    )
+    assert store.published_versions() == ["v1"]
+    assert store.read_published("v1") == published
+    unmarked = publish_weights(
+        tensors, tmp_path / "store" / "weights" / "v2", version="v2", source_dir=source, marker=False
+    )
+    assert store.published_versions() == ["v1"]
+    recorded = store.record_weights(
+        "v2", 2, unmarked.sha256, files=unmarked.files, num_tensors=unmarked.num_tensors
+    )
+    assert (
+        read_published(unmarked.path)
+        == recorded
+        == dataclasses.replace(unmarked, published_at=recorded.published_at)
+    )
+
+
 def test_publish_shards_large_state_dicts_with_an_index(tmp_path: Path) -> None:
     source = tmp_path / "source"
     tensors = _shifted(_source_checkpoint(source))
     published = publish_weights(
         tensors, tmp_path / "v2", version="v2", source_dir=source, max_shard_bytes=1200
     )
-    shards = sorted(published.path.glob("model-*-of-*.safetensors"))
+    shards = sorted(Path(published.path).glob("model-*-of-*.safetensors"))
     assert len(shards) >= 3
-    assert not (published.path / "model.safetensors").exists()
-    index = json.loads((published.path / INDEX_FILE).read_text())
+    assert not (Path(published.path) / "model.safetensors").exists()
+    index = json.loads((Path(published.path) / INDEX_FILE).read_text())
     assert set(index["weight_map"]) == set(tensors)
     assert published.sha256 == sha256_files(shards)
     assert published.bytes == sum(s.stat().st_size for s in shards)
@@ -164,7 +188,7 @@ def test_publish_handles_tensors_that_share_storage(tmp_path: Path) -> None:
     tied = dict(tensors)
     tied["lm_head.weight"] = tied["model.embed_tokens.weight"]  # tied embeddings share one tensor
     published = publish_weights(tied, tmp_path / "tied", version="tied", source_dir=source)
-    on_disk = load_file(str(published.path / "model.safetensors"))
+    on_disk = load_file(str(Path(published.path) / "model.safetensors"))
     assert torch.equal(on_disk["lm_head.weight"], tensors["model.embed_tokens.weight"])
 
 
@@ -224,13 +248,13 @@ def test_read_published_explains_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(WeightSyncError, match="do not exist"):
         read_published(tmp_path / "nowhere")
     with pytest.raises(
-        WeightSyncError, match=f"has no {MANIFEST_NAME}: it was not written by publish_weights"
+        WeightSyncError, match=f"has no {PUBLISHED_MARKER}: it was not written by publish_weights"
     ):
         read_published(source)
 
     published = publish_weights(tensors, tmp_path / "v1", version="v1", source_dir=source)
-    data = published.path / "model.safetensors"
-    manifest_path = published.path / MANIFEST_NAME
+    data = Path(published.path) / "model.safetensors"
+    manifest_path = Path(published.path) / PUBLISHED_MARKER
     manifest = json.loads(manifest_path.read_text())
 
     # Same size, one byte different (inside the last tensor's data): only the hash can tell.
@@ -283,10 +307,10 @@ def test_fleet_client_rejects_bad_configuration() -> None:
 
 
 @pytest.mark.slow
-def test_importing_weight_sync_pulls_in_neither_vllm_nor_megatron_nor_httpx() -> None:
+def test_importing_the_engine_plugin_pulls_in_neither_vllm_nor_megatron_nor_httpx() -> None:
     # vLLM's worker processes import this module; the trainer image may have no vLLM.
     code = (
-        "import sys, legorl.trainer.weight_sync as w; "
+        "import sys, legorl.trainer.engine_plugin as w; "
         "heavy = sorted(m for m in ('vllm', 'megatron', 'httpx', 'transformers') if m in sys.modules); "
         "print(heavy); assert not heavy"
     )
@@ -373,7 +397,7 @@ def next_token_logprobs(http: httpx.Client, prompt: list[int]) -> dict[int, floa
 _REFERENCE: dict[tuple[str, int], torch.Tensor] = {}
 
 
-def reference_logprobs(model_dir: Path, prompt: list[int] = PROMPT) -> torch.Tensor:
+def reference_logprobs(model_dir: Path | str, prompt: list[int] = PROMPT) -> torch.Tensor:
     """transformers fp32 log-softmax over the vocabulary at every prompt position, [len(prompt), vocab]."""
     key = (str(model_dir), hash(tuple(prompt)))
     if key not in _REFERENCE:
@@ -501,7 +525,7 @@ def test_prefix_cache_is_reset_so_long_prompts_see_the_new_weights(engine: Engin
         # prompt's cached KV, computed by the old weights.
         http.post("/pause", params={"mode": "keep", "clear_cache": "false"}).raise_for_status()
         http.post("/start_weight_update").raise_for_status()
-        http.post("/update_weights", json={"update_info": b.update_info()}).raise_for_status()
+        http.post("/update_weights", json={"update_info": update_info(b)}).raise_for_status()
         http.post("/finish_weight_update", json={"weight_version": "cache-b"}).raise_for_status()
         http.post("/resume").raise_for_status()
         stale = next_token_delta(ref_b, next_token_logprobs(http, LONG_PROMPT))
@@ -562,7 +586,7 @@ def test_rejected_payloads_leave_the_engine_serving_the_previous_weights(engine:
 
         # A directory that does not exist: refused before any engine pauses.
         with pytest.raises(WeightSyncError, match="do not exist"):
-            fleet.sync(dataclasses.replace(base, path=engine.weights_dir / "missing"))
+            fleet.sync(dataclasses.replace(base, path=str(engine.weights_dir / "missing")))
         _still_serves(engine, "base", reference)
 
         # A published object that is not what the directory holds.
@@ -610,7 +634,7 @@ def test_rejected_payloads_leave_the_engine_serving_the_previous_weights(engine:
 
         # A manifest whose sha256 does not match the bytes (the client does not hash; the engine does).
         lying = engine.publish("lying", seed=44)
-        manifest_path = lying.path / MANIFEST_NAME
+        manifest_path = Path(lying.path) / PUBLISHED_MARKER
         manifest = json.loads(manifest_path.read_text())
         manifest_path.write_text(json.dumps({**manifest, "sha256": "1" * 64}))
         with pytest.raises(WeightSyncError, match=f"hash to {lying.sha256}, not 1{{64}}"):

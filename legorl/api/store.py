@@ -8,6 +8,7 @@ under the store's root:
     batches/step-000007/COMMIT.json       written last: the batch exists once this does
     weights/v7/...                        the policy's weights after step 7 (safetensors)
     weights/v7/PUBLISHED.json             written last: the version exists once this does
+                                          (legorl.api.weights.PublishedWeights)
     metrics/trainer/step-000007.json      the trainer's figures of step 7
     metrics/tokens/step-000007.parquet    its training log-prob of every trained token (trial, segment)
     trainer/state.json                    what a restarted trainer resumes from
@@ -63,6 +64,7 @@ from legorl.api.trajectory import (
     trials_from_table,
     trials_to_table,
 )
+from legorl.api.weights import PUBLISHED_MARKER, PublishedWeights
 
 __all__ = [
     "STORE_FORMAT",
@@ -172,21 +174,6 @@ class Batch:
 
     ref: BatchRef
     trials: list[TrialRecord]
-
-
-@dataclass(frozen=True)
-class PublishedWeights:
-    """A published policy version, as its PUBLISHED.json describes it."""
-
-    version: str
-    step: int
-    sha256: str
-    """Digest of the weights, as the publisher computed it."""
-    files: list[str]
-    """File names under `weights/<version>/` at publication (the marker excluded)."""
-    published_at: str
-    path: str
-    """URL of the weights folder, ending in `/`."""
 
 
 class RunStore:
@@ -459,11 +446,20 @@ class RunStore:
         parse_policy_version(version)
         return self.url(f"weights/{version}/")
 
-    def record_weights(self, version: str, step: int, sha256: str) -> PublishedWeights:
+    def record_weights(
+        self,
+        version: str,
+        step: int,
+        sha256: str,
+        *,
+        files: Sequence[str] | None = None,
+        num_tensors: int | None = None,
+    ) -> PublishedWeights:
         """Publish `version`: write its PUBLISHED.json after its weight files are in place.
 
-        Recording the same version with the same digest again is a no-op; another digest
-        raises StoreError (the fleet may already serve the first)."""
+        `files`: the weight files the digest covers (default: every file in the folder); `num_tensors`:
+        their tensor count, when the publisher counted them. Recording the same version with the same
+        digest again is a no-op; another digest raises StoreError (the fleet may already serve the first)."""
         if parse_policy_version(version) != step:
             raise StoreError(
                 f"version {version!r} does not belong to step {step}: the weights after step "
@@ -482,50 +478,47 @@ class RunStore:
         folder = self.fs_path(f"weights/{version}")
         self.fs.invalidate_cache(folder)
         try:
-            listed = self.fs.ls(folder, detail=False)
+            listed = self.fs.ls(folder, detail=True)
         except FileNotFoundError:
             listed = []
-        files = sorted(
-            name
-            for name in (posixpath.basename(str(p).rstrip("/")) for p in listed)
-            if name != "PUBLISHED.json" and not name.startswith(".")
-        )
-        if not files:
+        sizes = {
+            name: int(entry.get("size") or 0)
+            for entry in listed
+            if (name := posixpath.basename(str(entry["name"]).rstrip("/"))) != PUBLISHED_MARKER
+            and not name.startswith(".")
+        }
+        if not sizes:
             raise StoreError(
                 f"{self.weights_path(version)} holds no files: write the weights there before "
                 "recording them as published"
             )
-        marker = {
-            "format": STORE_FORMAT,
-            "version": version,
-            "step": step,
-            "sha256": sha256,
-            "files": files,
-            "published_at": self._clock().astimezone(UTC).isoformat(),
-        }
-        self.write_object(f"weights/{version}/PUBLISHED.json", _json_bytes(marker))
-        return self._published(version, marker)
+        names = sorted(sizes) if files is None else list(files)
+        missing = [name for name in names if name not in sizes]
+        if missing or not names:
+            raise StoreError(f"{self.weights_path(version)} lacks the weight file(s) {missing or names}")
+        published = PublishedWeights(
+            version=version,
+            sha256=sha256,
+            files=tuple(names),
+            published_at=self._clock().astimezone(UTC).isoformat(),
+            num_tensors=num_tensors,
+            bytes=sum(sizes[name] for name in names),
+            path=self.weights_path(version),
+        )
+        self.write_object(f"weights/{version}/{PUBLISHED_MARKER}", _json_bytes(published.to_json()))
+        return published
 
     def read_published(self, version: str) -> PublishedWeights | None:
         """The publication record of `version`, or None if it is not published (yet)."""
         parse_policy_version(version)
-        marker = self._get_json(f"weights/{version}/PUBLISHED.json")
-        return None if marker is None else self._published(version, marker)
-
-    def _published(self, version: str, marker: dict[str, Any]) -> PublishedWeights:
-        where = self.url(f"weights/{version}/PUBLISHED.json")
-        self._check_format(marker, where)
+        where = self.url(f"weights/{version}/{PUBLISHED_MARKER}")
+        marker = self._get_json(f"weights/{version}/{PUBLISHED_MARKER}")
+        if marker is None:
+            return None
         try:
-            published = PublishedWeights(
-                version=str(marker["version"]),
-                step=int(marker["step"]),
-                sha256=str(marker["sha256"]),
-                files=[str(f) for f in marker["files"]],
-                published_at=str(marker["published_at"]),
-                path=self.weights_path(version),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StoreError(f"{where} lacks or mangles a field ({exc!r}); the store is damaged") from exc
+            published = PublishedWeights.from_json(marker, path=self.weights_path(version))
+        except ValueError as exc:
+            raise StoreError(f"{where}: {exc}; the store is damaged") from exc
         if published.version != version:
             raise StoreError(f"{where} names version {published.version!r}; the store is damaged")
         return published
@@ -533,7 +526,7 @@ class RunStore:
     def published_versions(self) -> list[str]:
         """Published policy versions, oldest first."""
         steps = []
-        for path in self._glob("weights/*/PUBLISHED.json"):
+        for path in self._glob(f"weights/*/{PUBLISHED_MARKER}"):
             name = posixpath.basename(posixpath.dirname(path))
             if _VERSION_RE.fullmatch(name):
                 steps.append(parse_policy_version(name))

@@ -27,6 +27,7 @@ from legorl.api.run import Algorithm, FidelityGuard, Schedule, StopConditions, T
 from legorl.api.store import RunStore, StoreError, parse_policy_version
 from legorl.api.termination import INFRA_REASONS
 from legorl.api.trajectory import TRIAL_SCHEMA, SchemaVersionError, check_schema
+from legorl.api.weights import PUBLISHED_MARKER, PublishedWeights
 
 __all__ = [
     "AGENT_STAGES",
@@ -460,7 +461,7 @@ def _trial(row: Mapping[str, Any]) -> TrialFacts:
 def _published_times(store: RunStore) -> dict[int, datetime]:
     """Publication time of each policy version, by step (one listing, one read per marker)."""
     store.fs.invalidate_cache()
-    paths = store.fs.glob(store.fs_path("weights/*/PUBLISHED.json"))
+    paths = store.fs.glob(store.fs_path(f"weights/*/{PUBLISHED_MARKER}"))
     out: dict[int, datetime] = {}
     if not paths:
         return out
@@ -468,10 +469,10 @@ def _published_times(store: RunStore) -> dict[int, datetime]:
         name = posixpath.basename(posixpath.dirname(str(path)))
         try:
             step = parse_policy_version(name)
-            marker = json.loads(data)
+            marker = PublishedWeights.from_json(json.loads(data))
         except ValueError:
             continue
-        when = _time(marker.get("published_at")) if isinstance(marker, dict) else None
+        when = _time(marker.published_at)
         if when is not None:
             out[step] = when
     return out

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from legorl.api.store import RunStore, StoreError, parse_policy_version
 from legorl.api.termination import INFRA_REASONS, TerminationReason
 from legorl.api.trajectory import TRIAL_SCHEMA, decode_routing
+from legorl.api.weights import PUBLISHED_MARKER
 
 from .tokens import TokenText, load_token_text
 
@@ -348,7 +349,7 @@ class StoreData:
                 step = parse_policy_version(name)
             except ValueError:
                 continue
-            if "PUBLISHED.json" in self._list(f"weights/{name}"):
+            if PUBLISHED_MARKER in self._list(f"weights/{name}"):
                 versions.append((step, name))
         return [name for _, name in sorted(versions)]
 

@@ -14,6 +14,7 @@ had published); it never publishes a version twice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import shutil
@@ -24,20 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from legorl.api.store import RunStore, StoreError, parse_policy_version, policy_version
+from legorl.api.weights import PublishedWeights
 from legorl.trainer import parallel
 from legorl.trainer.checkpoint import CheckpointStore, load_checkpoint, save_checkpoint
 from legorl.trainer.convert import HfExport
+from legorl.trainer.fleet_sync import FleetWeightSync
 from legorl.trainer.nccl_sync import NcclWeightSync
+from legorl.trainer.publish import WeightSyncError, publish_weights, read_published
 from legorl.trainer.settings import SettingsError, TrainerSettings
 from legorl.trainer.telemetry import TrainerTelemetry
 from legorl.trainer.train import PolicyTrainer
-from legorl.trainer.weight_sync import (
-    FleetWeightSync,
-    PublishedWeights,
-    WeightSyncError,
-    publish_weights,
-    read_published,
-)
 
 log = logging.getLogger(__name__)
 
@@ -210,10 +207,18 @@ class TrainingService:
             self.store.write_token_logprobs(step, self.trainer.token_logprobs)
         version = policy_version(step)
         outcome = StepOutcome(step=step, version=version, figures=figures)
-        outcome.published = self._publish(version)
+        published = self._publish(version)
         if self.writer:
-            assert outcome.published is not None
-            self.store.record_weights(version, step=step, sha256=outcome.published.sha256)
+            assert published is not None
+            # The run store writes the version's PUBLISHED.json: from then on it is published.
+            recorded = self.store.record_weights(
+                version,
+                step=step,
+                sha256=published.sha256,
+                files=published.files,
+                num_tensors=published.num_tensors,
+            )
+            outcome.published = dataclasses.replace(recorded, path=published.path)
             if self.sync is not None:
                 outcome.sync_seconds = self._sync_with_retries(outcome.published)
                 figures["sync_seconds"] = outcome.sync_seconds
@@ -273,7 +278,9 @@ class TrainingService:
             # replaced rather than trusted.
             log.warning("replacing unrecorded weights of %s left by an earlier crash", version)
             shutil.rmtree(target)
-        return publish_weights(weights, Path(target), version=version, source_dir=self.trainer.source_dir)
+        return publish_weights(
+            weights, Path(target), version=version, source_dir=self.trainer.source_dir, marker=False
+        )
 
     def _next(self, limit: int | None) -> tuple[str, Any]:
         """The writer's decision of what every rank does next: ("stop", None), ("step", n),

@@ -32,7 +32,7 @@ LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 STS_POD_INDEX = "apps.kubernetes.io/pod-index"
 WEIGHT_TRANSFER_BACKEND = {"Filesystem": "legorl_filesystem", "NCCL": "nccl"}
 """vLLM weight-transfer backend per sync method (the Filesystem one is legorl's worker extension)."""
-WORKER_EXTENSION = "legorl.trainer.weight_sync.FilesystemWeightTransfer"
+WORKER_EXTENSION = "legorl.trainer.engine_plugin.FilesystemWeightTransfer"
 VERSIONS_MIDDLEWARE = "legorl.trainer.engine_versions.WeightVersions"
 """Names the weight versions that served each answer, so the proxies need no `/weight_info` per call."""
 
