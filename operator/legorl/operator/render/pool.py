@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from legorl.api.kinds import SandboxPool
-from legorl.api.run import NATIVE_API_FORMAT, Harness
+from legorl.api.run import Harness
 from legorl.operator.render.common import (
     LOOKAHEAD_ANNOTATION,
     RESTRICTED_POD_SECURITY,
@@ -26,6 +26,7 @@ from legorl.operator.render.common import (
     with_hash,
 )
 from legorl.operator.render.fleet import RenderError
+from legorl.trialproxy.command import ProxyRun, ProxyTrial, proxy_command
 
 APP = "legorl-sandbox"
 PREPULL = "prepull"
@@ -187,38 +188,36 @@ def harness_image(harness: Harness, ctx: RenderContext) -> str:
 
 
 def _proxy_sidecar(trial: TrialContext, ctx: RenderContext) -> dict[str, Any]:
-    api_format = trial.harness.api_format or NATIVE_API_FORMAT.get(
-        trial.harness.kind, "OpenAIChatCompletions"
+    command = proxy_command(
+        ProxyRun(
+            name=trial.run_name,
+            harness=trial.harness,
+            max_tokens=trial.max_tokens_per_turn,
+            temperature=trial.temperature,
+            top_p=trial.top_p,
+        ),
+        ProxyTrial(
+            trial=trial.trial_id,
+            upstream=trial.fleet_url,
+            journal="/journal",
+            # On all pod addresses so the kubelet's startup probe (dialled from the node) reaches
+            # it; the pool's NetworkPolicy admits no other pod, and the agent uses loopback.
+            listen=f"0.0.0.0:{PROXY_PORT}",
+            served_model_name=trial.served_model_name,
+            capture_routed_experts=trial.capture_routed_experts,
+            workspace=PROXY_WORKSPACE,
+            baseline=BASELINE,
+            store_uri=trial.store_uri or None,
+        ),
     )
     return {
         "name": "proxy",
         "image": ctx.images.proxy,
         # A native sidecar: it starts before the agent and stops when the agent is done.
         "restartPolicy": "Always",
-        "args": [
-            "proxy",
-            # On all pod addresses so the kubelet's startup probe (dialled from the node) reaches
-            # it; the pool's NetworkPolicy admits no other pod, and the agent uses loopback.
-            f"--listen=0.0.0.0:{PROXY_PORT}",
-            f"--upstream={trial.fleet_url}",
-            f"--served-model-name={trial.served_model_name}",
-            f"--api-format={api_format}",
-            f"--trial={trial.trial_id}",
-            f"--run={trial.run_name}",
-            "--journal=/journal",
-            # The run's sampling and budgets, enforced where the harness cannot skip them.
-            f"--max-tokens={trial.max_tokens_per_turn}",
-            f"--max-turns={trial.harness.max_turns}",
-            # The agent's changes leave through the proxy's API (`GET /changes`), never by exec
-            # into the agent's container.
-            f"--workspace={PROXY_WORKSPACE}",
-            f"--baseline={BASELINE}",
-            *([f"--temperature={trial.temperature}"] if trial.temperature is not None else []),
-            *([f"--top-p={trial.top_p}"] if trial.top_p is not None else []),
-            *(["--capture-routed-experts"] if trial.capture_routed_experts else []),
-        ],
+        "args": command.args,
         "env": [
-            *([{"name": "LEGORL_STORE_URI", "value": trial.store_uri}] if trial.store_uri else []),
+            *({"name": name, "value": value} for name, value in command.env.items()),
             # Its spans (one per model call; the engine's hang under them through `traceparent`).
             *(ctx.trial_tracing.env() if ctx.trial_tracing is not None else []),
         ],
