@@ -18,6 +18,7 @@ import pytest
 
 from legorl.api.kinds import RLRun
 from legorl.api.store import RunStore, policy_version
+from legorl.api.summary import TrajectorySummary
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import Segment, TrialRecord
 from legorl.controller.backend import TrialRequest
@@ -219,10 +220,15 @@ def test_wilson_interval() -> None:
     assert wilson_interval(0, 0) == (0.0, 1.0)
 
 
+def _ended(reason: str) -> TrajectorySummary:
+    end = {"reason": reason, "source": "proxy", "endedAt": "2026-12-01T00:00:00+00:00"}
+    return TrajectorySummary.from_json({"run": "r", "trial": "t", "state": "ended", "end": end})
+
+
 def test_reconcile_prefers_what_the_proxy_saw() -> None:
-    ended = {"end": {"reason": "turn_limit"}}
+    ended = _ended("turn_limit")
     assert reconcile("agent_error", ended) == TerminationReason.TURN_LIMIT
-    assert reconcile("completed", {"end": {"reason": "completed"}}) == TerminationReason.COMPLETED
+    assert reconcile("completed", _ended("completed")) == TerminationReason.COMPLETED
     assert reconcile("defense_failed", ended) == TerminationReason.DEFENSE_FAILED
     assert reconcile("completed", None) == TerminationReason.PROXY_ERROR
 

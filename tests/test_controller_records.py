@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from legorl.api.store import RunStore
+from legorl.api.summary import TrajectorySummary
 from legorl.api.termination import TerminationReason
-from legorl.api.trajectory import ApiFormat, Turn
+from legorl.api.trajectory import ApiFormat, TrajectoryError, Turn
 from legorl.controller.backend import TrialRequest
-from legorl.controller.records import build_record, segments_from
+from legorl.controller.records import build_record
 from legorl.proxy import _json
 from legorl.proxy.metrics import Metrics
 from legorl.proxy.settings import ProxySettings
@@ -87,7 +88,7 @@ def build(trajectory: dict[str, Any]) -> Any:
         harness="MiniSweAgent",
         reason=TerminationReason.COMPLETED,
         reward=1.0,
-        trajectory=trajectory,
+        trajectory=TrajectorySummary.from_json(trajectory),
         started_at=T0,
         ended_at=T0 + timedelta(minutes=1),
     )
@@ -127,9 +128,61 @@ async def test_an_older_proxys_lists_still_build_the_same_record(tmp_path: Path)
 
 @pytest.mark.asyncio
 async def test_a_damaged_routing_is_a_trajectory_error(tmp_path: Path) -> None:
-    """The backends catch ValueError as "the proxy's trajectory is unusable" (TrajectoryError is one)."""
+    """The backends catch TrajectoryError as "the proxy's trajectory is unusable"."""
     wire, _ = await proxy_trajectory(tmp_path)
     seg = wire["segments"][0]
     short = {**seg["routed_experts"], "b64": base64.b64encode(b"\x01\x02").decode()}
-    with pytest.raises(ValueError, match="routed_experts has 2 entries"):
-        segments_from({**wire, "segments": [{**seg, "routed_experts": short}]})
+    with pytest.raises(TrajectoryError, match=r"segment 0 is malformed: .*routed_experts has 2 entries"):
+        TrajectorySummary.from_json({**wire, "segments": [{**seg, "routed_experts": short}]})
+
+
+@pytest.mark.asyncio
+async def test_the_summary_decodes_what_the_proxy_sends_and_encodes_it_back_unchanged(tmp_path: Path) -> None:
+    wire, _ = await proxy_trajectory(tmp_path)
+    assert list(wire) == [
+        "run",
+        "trial",
+        "state",
+        "end",
+        "turns",
+        "policyVersions",
+        "mergedTurnShare",
+        "errors",
+        "journalDroppedBytes",
+        "finishReasons",
+        "segments",
+    ]
+    summary = TrajectorySummary.from_json(wire)
+    assert (summary.run, summary.trial, summary.state, summary.end, summary.turns) == (
+        "run",
+        "trial-1",
+        "running",
+        None,
+        2,
+    )
+    assert _json.loads(_json.dumps(summary.to_json())) == wire
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"turns": "2"}, "turns: Input should be a valid integer"),
+        (
+            {"end": {"reason": "bored", "source": "proxy", "endedAt": "2026-12-01T00:00:00+00:00"}},
+            "end.reason",
+        ),
+        ({"end": {"reason": "completed", "source": "proxy"}}, r"end\.endedAt: Field required"),
+        ({"state": "paused"}, "state: Input should be 'running' or 'ended'"),
+        ({"segments": "many"}, "neither a list nor a count"),
+        ({"segments": [{"index": 0}]}, "segment 0 is malformed: lacks 'token_ids'"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_a_malformed_summary_says_what_is_wrong(
+    tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    wire, _ = await proxy_trajectory(tmp_path)
+    with pytest.raises(TrajectoryError, match=message):
+        TrajectorySummary.from_json({**wire, **change})
+    with pytest.raises(TrajectoryError, match="not a JSON object"):
+        TrajectorySummary.from_json([wire])

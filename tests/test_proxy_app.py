@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import Segment
 from legorl.proxy.app import ProxyApp
 from legorl.proxy.journal import read_journal
@@ -41,6 +42,7 @@ from legorl.proxy.settings import ProxySettings
 from legorl.proxy.testing import FakeEngine, render_prompt
 from legorl.telemetry.traces import trial_span_id, trial_trace_id
 from legorl.trainer.engine_versions import WeightVersions
+from legorl.trialproxy.client import ProxyClient
 from tests.asgi_server import free_port, serve
 
 Scope = MutableMapping[str, Any]
@@ -890,6 +892,26 @@ def test_finish_records_the_harness_exit(stack: Stack) -> None:
     again = stack.finish("agent_error", exitCode=1)
     assert again.status_code == 200
     assert again.json()["end"] == body["end"]
+
+
+def test_the_trial_backends_client_reads_the_proxys_answers_as_the_typed_summary(stack: Stack) -> None:
+    """`ProxyClient` (both trial backends) decodes `/finish` and `/trajectory` into `TrajectorySummary`,
+    which encodes back to exactly what the proxy sent."""
+    chat_call(stack, "SAY: done")
+    client = ProxyClient(stack.http, stack.url)
+    ended = client.finish(TerminationReason.AGENT_ERROR, 1, "harness exit code 1")
+    assert ended.end is not None
+    assert (ended.end.reason, ended.end.source, ended.end.exit_code) == (
+        TerminationReason.AGENT_ERROR,
+        "harness",
+        1,
+    )
+    assert (ended.state, ended.turns, ended.segments) == ("ended", 1, 1)  # no tokens in /finish's answer
+    summary = client.trajectory()
+    assert summary.end == ended.end
+    assert [s.turn_indices for s in summary.segment_list] == [[0]]
+    assert summary.to_json() == stack.trajectory()
+    assert client.trajectory(tokens=False).segments == 1
     records = read_journal(stack.journal).records
     assert [r["type"] for r in records] == ["turn", "end"]
     # The trial is over: a further call is refused in the client's format.

@@ -50,6 +50,7 @@ from typing import Any
 
 import pytest
 
+from legorl.api.summary import TrajectorySummary
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import ApiFormat, Turn
 from legorl.controller.records import reconcile
@@ -279,7 +280,7 @@ def termination(run: Run) -> TerminationReason:
     assert end is not None
     finished = run.proxy.http.post("/finish", json={"reason": end.reason, "exitCode": end.exit_code})
     assert finished.status_code == 200, finished.text
-    return reconcile(end.reason, run.proxy.trajectory())
+    return reconcile(end.reason, TrajectorySummary.from_json(run.proxy.trajectory()))
 
 
 def exchange_after(exchanges: list[Exchange], forced: Force) -> tuple[Exchange, Exchange]:

@@ -2,8 +2,9 @@
 
 Both backends end a trial the same way: they know how the sandbox stages went (a reason from the
 sandbox's point of view, a reward from verify, tamper findings, stage timings) and they fetch the proxy's
-`GET /trajectory` (segments, the proxy's own end state, policy versions). `reconcile` decides the one
-termination reason the run store keeps; `build_record` assembles the `TrialRecord`.
+`GET /trajectory` (a `legorl.api.summary.TrajectorySummary`: segments, the proxy's own end state, policy
+versions). `reconcile` decides the one termination reason the run store keeps; `build_record` assembles
+the `TrialRecord`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from legorl.api.summary import TrajectorySummary
 from legorl.api.termination import TerminationReason
-from legorl.api.trajectory import TAMPER_KINDS, Segment, TamperFinding, TrialRecord
+from legorl.api.trajectory import TAMPER_KINDS, TamperFinding, TrialRecord
 
 from .backend import TrialRequest
 
@@ -27,12 +29,12 @@ _PROXY_WINS = frozenset({R.TURN_LIMIT, R.CONTEXT_OVERFLOW, R.ENGINE_ERROR, R.PRO
 """Failures the proxy saw first-hand: they explain a harness exit better than its exit code does."""
 
 
-def reconcile(sandbox_reason: str, trajectory: Mapping[str, Any] | None) -> TerminationReason:
+def reconcile(sandbox_reason: str, trajectory: TrajectorySummary | None) -> TerminationReason:
     """The trial's termination reason.
 
     `sandbox_reason` is the sandbox's view (`completed`/`agent_error` from the harness's exit code,
     `agent_timeout`, `sandbox_error`, `defense_failed`, `verifier_error`, `cancelled`); the proxy's end
-    state (`trajectory["end"]`) names failures only it could see. Without a trajectory the proxy is
+    state (`trajectory.end`) names failures only it could see. Without a trajectory the proxy is
     gone: a trial that otherwise ran is a `proxy_error` (its turns cannot be trusted or trained on).
     """
     reason = R(sandbox_reason)
@@ -40,22 +42,9 @@ def reconcile(sandbox_reason: str, trajectory: Mapping[str, Any] | None) -> Term
         return reason
     if trajectory is None:
         return R.PROXY_ERROR
-    end = trajectory.get("end") or {}
-    proxy_reason = end.get("reason")
-    if proxy_reason is not None and R(proxy_reason) in _PROXY_WINS:
-        return R(proxy_reason)
+    if trajectory.end is not None and trajectory.end.reason in _PROXY_WINS:
+        return trajectory.end.reason
     return reason
-
-
-def segments_from(trajectory: Mapping[str, Any] | None) -> list[Segment]:
-    """Segments of `GET /trajectory` (`Segment.to_json`: routing as base64 arrays, never int lists; an
-    older proxy's flat lists still read)."""
-    if trajectory is None:
-        return []
-    rows = trajectory.get("segments") or []
-    if not isinstance(rows, list):  # `?tokens=false` summaries carry a count
-        raise ValueError("the trajectory was fetched without tokens (?tokens=false)")
-    return [Segment.from_json(row) for row in rows]
 
 
 def findings_from(items: Sequence[Mapping[str, Any]]) -> list[TamperFinding]:
@@ -78,7 +67,7 @@ def build_record(
     harness: str,
     reason: TerminationReason,
     reward: float | None,
-    trajectory: Mapping[str, Any] | None,
+    trajectory: TrajectorySummary | None,
     started_at: datetime,
     ended_at: datetime,
     findings: Sequence[Mapping[str, Any]] = (),
@@ -87,18 +76,17 @@ def build_record(
 ) -> TrialRecord:
     """The record the run store keeps. Infrastructure failures keep no reward (they are never trained
     on); agent outcomes without a verifier result get 0 only when verify said so."""
-    segments = segments_from(trajectory)
+    segments = trajectory.segment_list if trajectory is not None else []
     if reason in (R.SANDBOX_ERROR, R.DEFENSE_FAILED, R.CANCELLED, R.VERIFIER_ERROR, R.PROXY_ERROR):
         reward = None
     if reason == R.ENGINE_ERROR:
         reward = None
-    versions = list((trajectory or {}).get("policyVersions") or [])
+    versions = list(trajectory.policy_versions) if trajectory is not None else []
     if not versions and segments:
         for seg in segments:
             versions.extend(v for v in seg.policy_versions if v not in versions)
-    merged = (trajectory or {}).get("mergedTurnShare")
-    finishes = (trajectory or {}).get("finishReasons")
-    tool_call_turns = int(finishes.get("tool_calls") or 0) if isinstance(finishes, Mapping) else None
+    finishes = trajectory.finish_reasons if trajectory is not None else None
+    tool_call_turns = finishes.get("tool_calls", 0) if finishes is not None else None
     return TrialRecord(
         run=run,
         trial=request.trial,
@@ -114,8 +102,8 @@ def build_record(
         segments=segments,
         tamper_findings=findings_from(findings),
         policy_versions=versions,
-        num_turns=int((trajectory or {}).get("turns") or 0),
-        merged_turn_share=float(merged) if merged is not None else None,
+        num_turns=trajectory.turns if trajectory is not None else 0,
+        merged_turn_share=trajectory.merged_turn_share if trajectory is not None else None,
         stage_seconds=dict(stage_seconds or {}),
         error=error[-4000:] if error else None,
         tool_call_turns=tool_call_turns,

@@ -32,12 +32,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 import legorl.sandbox
 from legorl.api.kinds import RLRun
+from legorl.api.summary import TrajectorySummary
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import TrialRecord
 from legorl.controller.backend import BackendError, TrialRequest
@@ -47,8 +47,15 @@ from legorl.embedded.engine import die_with_parent
 from legorl.sandbox.local import LocalBackend
 from legorl.sandbox.task import Task, TaskSet
 from legorl.sandbox.trial import TrialOutcome, discard_trial_folder, run_local_trial
+from legorl.trialproxy.client import ProxyClient, ProxyError
+from legorl.trialproxy.command import ProxyTrial, proxy_command
 
 log = logging.getLogger(__name__)
+
+R = TerminationReason
+_NO_TRAJECTORY = frozenset({R.SANDBOX_ERROR, R.DEFENSE_FAILED, R.CANCELLED})
+"""The sandbox's verdicts after which the proxy is not asked for a trajectory (the trial never ran
+properly, or it was stopped)."""
 
 RUNTIME_INSIDE = "/opt/legorl-harness"
 LOCAL_HARNESSES = ("MiniSweAgent",)
@@ -102,6 +109,7 @@ class LocalTrialBackend:
         workers: int,
         folder: Path,
         proxy_start_seconds: float = 60.0,
+        proxy_timeout_seconds: float = 30.0,
     ) -> None:
         spec = run.spec
         if spec.harness.kind not in LOCAL_HARNESSES:
@@ -116,6 +124,8 @@ class LocalTrialBackend:
         self.engine_url = engine_url.rstrip("/")
         self.folder = folder
         self.proxy_start_seconds = proxy_start_seconds
+        self.proxy_timeout_seconds = proxy_timeout_seconds
+        """Limit of one call to a trial's proxy (`ProxyClient` tries a call that fails up to 3 times)."""
         self.runtime = make_harness_runtime(folder / "harness-runtime")
         # Unix socket paths are limited to 107 bytes: keep them short.
         self.sockets = Path(tempfile.mkdtemp(prefix="legorl-sock-"))
@@ -217,61 +227,62 @@ class LocalTrialBackend:
         t0 = time.monotonic()
         proxy = self._start_proxy(request, sock, journal)
         timings["proxy_start"] = time.monotonic() - t0
-        trajectory: dict[str, Any] | None = None
+        trajectory: TrajectorySummary | None = None
+        problem: str | None = None  # why the proxy gave no usable answer (`/finish` failed, no trajectory)
         try:
-            client = httpx.Client(
-                transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://proxy", timeout=30
-            )
+            with httpx.Client(
+                transport=httpx.HTTPTransport(uds=str(sock)),
+                timeout=httpx.Timeout(self.proxy_timeout_seconds, connect=5.0),
+            ) as http:
+                client = ProxyClient(http, "http://proxy")
 
-            def finish(outcome: TrialOutcome) -> None:
-                reason = outcome.termination_reason
-                detail = f"harness exit code {outcome.agent_exit_code}" if reason == "agent_error" else None
-                with contextlib.suppress(httpx.HTTPError):
-                    client.post(
-                        "/finish",
-                        json={"reason": reason, "exitCode": outcome.agent_exit_code, "detail": detail},
-                    )
+                def finish(outcome: TrialOutcome) -> None:
+                    nonlocal problem
+                    reason, code = R(outcome.termination_reason), outcome.agent_exit_code
+                    detail = f"harness exit code {code}" if reason is R.AGENT_ERROR else None
+                    try:
+                        client.finish(reason, code, detail)
+                    except ProxyError as exc:
+                        # As in the Kubernetes backend: a proxy that cannot end the trial leaves no
+                        # trajectory to trust (`proxy_error`); verify still runs, the record says why.
+                        log.warning("trial %s: %s", request.trial, exc)
+                        problem = str(exc)
 
-            engine_port = self.engine_url.rsplit(":", 1)[1]
-            env = {e.name: e.value for e in spec.harness.env if e.value is not None}
-            env |= {
-                "LEGORL_MODEL_NAME": "policy",
-                "LEGORL_MAX_TURNS": str(spec.harness.max_turns),
-                "LEGORL_HARNESS_CONFIG_DIR": f"{RUNTIME_INSIDE}/config",
-            }
-            if spec.harness.api_format:
-                env["LEGORL_API_FORMAT"] = spec.harness.api_format
-            deadlines = spec.pool.deadlines if spec.pool is not None else None
-            outcome = run_local_trial(
-                self.sandbox,
-                self.task_set,
-                request.task,
-                request.trial,
-                [f"{RUNTIME_INSIDE}/bin/legorl-harness", spec.harness.kind],
-                proxy_socket=sock,
-                env=env,
-                agent_seconds=float(deadlines.agent_seconds if deadlines else 3600),
-                verify_seconds=float(deadlines.verify_seconds if deadlines else 1800),
-                probes=[f"127.0.0.1:{engine_port}"],
-                extra_binds=[(str(self.runtime), RUNTIME_INSIDE)],
-                after_agent=finish,
-                stop=self.stops.get(request.trial),
-            )
-            if outcome.termination_reason not in ("sandbox_error", "defense_failed", "cancelled"):
-                with contextlib.suppress(httpx.HTTPError, ValueError):
-                    response = client.get("/trajectory")
-                    if response.status_code == 200:
-                        trajectory = response.json()
-            client.close()
+                engine_port = self.engine_url.rsplit(":", 1)[1]
+                deadlines = spec.pool.deadlines if spec.pool is not None else None
+                outcome = run_local_trial(
+                    self.sandbox,
+                    self.task_set,
+                    request.task,
+                    request.trial,
+                    [f"{RUNTIME_INSIDE}/bin/legorl-harness", spec.harness.kind],
+                    proxy_socket=sock,
+                    env=self._harness_env(),
+                    agent_seconds=float(deadlines.agent_seconds if deadlines else 3600),
+                    verify_seconds=float(deadlines.verify_seconds if deadlines else 1800),
+                    probes=[f"127.0.0.1:{engine_port}"],
+                    extra_binds=[(str(self.runtime), RUNTIME_INSIDE)],
+                    after_agent=finish,
+                    stop=self.stops.get(request.trial),
+                )
+                if problem is None and R(outcome.termination_reason) not in _NO_TRAJECTORY:
+                    try:
+                        trajectory = client.trajectory()
+                    except ProxyError as exc:
+                        log.warning("trial %s: %s", request.trial, exc)
+                        problem = str(exc)
         finally:
             _stop(proxy)
             sock.unlink(missing_ok=True)
         timings.update(outcome.stage_seconds)
         reason = reconcile(outcome.termination_reason, trajectory)
         error = outcome.error
-        if trajectory is None and reason == TerminationReason.PROXY_ERROR:
-            error = f"the trial's proxy gave no trajectory; its log: {self._log_tail(request.trial)}"
-        elif reason in (TerminationReason.AGENT_ERROR, TerminationReason.SANDBOX_ERROR) and not error:
+        if trajectory is None and reason == R.PROXY_ERROR:
+            error = (
+                f"the trial's proxy gave no trajectory ({problem or 'it was not asked'}); "
+                f"its log: {self._log_tail(request.trial)}"
+            )
+        elif reason in (R.AGENT_ERROR, R.SANDBOX_ERROR) and not error:
             error = outcome.agent_output[-2000:]
         return build_record(
             request,
@@ -287,31 +298,38 @@ class LocalTrialBackend:
             error=error,
         )
 
+    def _harness_env(self) -> dict[str, str]:
+        harness = self.run.spec.harness
+        env = {e.name: e.value for e in harness.env if e.value is not None}
+        env |= {
+            "LEGORL_MODEL_NAME": "policy",
+            "LEGORL_MAX_TURNS": str(harness.max_turns),
+            "LEGORL_HARNESS_CONFIG_DIR": f"{RUNTIME_INSIDE}/config",
+        }
+        if harness.api_format:
+            env["LEGORL_API_FORMAT"] = harness.api_format
+        return env
+
     def _start_proxy(self, request: TrialRequest, sock: Path, journal: Path) -> subprocess.Popen[bytes]:
-        spec = self.run.spec
-        sampling = spec.algorithm.sampling
-        argv = [
-            sys.executable,
-            "-m",
-            "legorl.cli",
-            "proxy",
-            f"--unix-socket={sock}",
-            f"--upstream={self.engine_url}",
-            f"--run={self.name}",
-            f"--trial={request.trial}",
-            f"--journal={journal}",
-            "--served-model-name=policy",
-            f"--max-turns={spec.harness.max_turns}",
-            f"--temperature={sampling.temperature}",
-            f"--top-p={sampling.top_p}",
-            f"--max-tokens={sampling.max_tokens_per_turn}",
-        ]
-        if spec.fleet is not None and spec.fleet.settings.routed_experts_capture == "Enabled":
-            argv.append("--capture-routed-experts")
+        fleet = self.run.spec.fleet
+        command = proxy_command(
+            self.run,
+            ProxyTrial(
+                trial=request.trial,
+                upstream=self.engine_url,
+                journal=str(journal),
+                unix_socket=str(sock),
+                capture_routed_experts=(
+                    fleet is not None and fleet.settings.routed_experts_capture == "Enabled"
+                ),
+            ),
+        )
+        argv = [sys.executable, "-m", "legorl.cli", *command.args]
         log_file = (self.folder / "logs" / f"{request.trial}-proxy.log").open("wb")
         try:
             proxy = subprocess.Popen(  # noqa: S603 - our own interpreter and module
                 argv,
+                env={**os.environ, **command.env},
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,

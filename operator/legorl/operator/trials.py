@@ -51,7 +51,9 @@ from typing import Any, Literal, TypeVar
 import httpx
 
 from legorl.api.kinds import RLRun, SandboxPool
-from legorl.api.trajectory import TrialRecord
+from legorl.api.summary import TrajectorySummary
+from legorl.api.termination import TerminationReason
+from legorl.api.trajectory import TrajectoryError, TrialRecord
 from legorl.controller.backend import BackendError, TrialRequest
 from legorl.controller.canary import CANARY_TRIAL_PREFIX
 from legorl.controller.records import build_record, reconcile
@@ -72,6 +74,7 @@ from legorl.operator.render.trial import (
 )
 from legorl.operator.status.trial import AgentEnd, VerifyResult, agent_end, parse_time, verify_result
 from legorl.sandbox.task import Task, TaskSet
+from legorl.trialproxy.client import ProxyClient, ProxyError
 
 log = logging.getLogger("legorl.operator.trials")
 
@@ -238,10 +241,6 @@ class LoopApi:
 # --- the backend ------------------------------------------------------------------------------------------
 
 
-class ProxyError(Exception):
-    """A trial's proxy did not answer usefully."""
-
-
 @dataclass
 class _Trial:
     request: TrialRequest
@@ -253,6 +252,8 @@ class _Trial:
     seen: bool = False
     agent: AgentEnd | None = None
     cancel: bool = False
+    proxy_problem: str | None = None
+    """Why the trajectory could not be read from the trial's proxy, once that failed."""
 
 
 class KubeTrialBackend:
@@ -466,13 +467,9 @@ class KubeTrialBackend:
             return self._finish(trial, end.reason, end.detail, stage_seconds=end.stage_seconds)
         trial.agent = end
         try:
-            self._proxy(
-                pod,
-                "POST",
-                "/finish",
-                {"reason": end.reason, "exitCode": end.exit_code, "detail": end.detail},
-            )
-            changes = self._proxy(pod, "GET", "/changes")
+            proxy = self._client(pod)
+            proxy.finish(TerminationReason(end.reason), end.exit_code, end.detail)
+            changes = proxy.changes()
         except ProxyError as exc:
             return self._finish(trial, end.reason, f"{end.detail}; {exc}", stage_seconds=end.stage_seconds)
         outcome = {
@@ -550,7 +547,7 @@ class KubeTrialBackend:
         sandbox_reason: str,
         detail: str | None,
         *,
-        trajectory: Mapping[str, Any] | None = None,
+        trajectory: TrajectorySummary | None = None,
         reward: float | None = None,
         findings: Sequence[Mapping[str, Any]] = (),
         stage_seconds: Mapping[str, float] | None = None,
@@ -573,7 +570,7 @@ class KubeTrialBackend:
         sandbox_reason: str,
         detail: str | None,
         *,
-        trajectory: Mapping[str, Any] | None = None,
+        trajectory: TrajectorySummary | None = None,
         reward: float | None = None,
         findings: Sequence[Mapping[str, Any]] = (),
         stage_seconds: Mapping[str, float] | None = None,
@@ -581,9 +578,11 @@ class KubeTrialBackend:
         reason = reconcile(sandbox_reason, trajectory)
         if trajectory is None and reason.value != sandbox_reason:
             detail = f"{detail or sandbox_reason}; no trajectory could be read from the trial's proxy"
-        end = (trajectory or {}).get("end") or {}
-        if end.get("source") == "proxy" and end.get("detail"):
-            detail = f"{detail or ''}; proxy: {end['detail']}".lstrip("; ")
+            if trial.proxy_problem:
+                detail = f"{detail} ({trial.proxy_problem})"
+        end = trajectory.end if trajectory is not None else None
+        if end is not None and end.source == "proxy" and end.detail:
+            detail = f"{detail or ''}; proxy: {end.detail}".lstrip("; ")
         try:
             return build_record(
                 trial.request,
@@ -598,7 +597,7 @@ class KubeTrialBackend:
                 stage_seconds=stage_seconds,
                 error=detail,
             )
-        except (ValueError, KeyError, TypeError) as exc:  # a trajectory that breaks the contract
+        except TrajectoryError as exc:  # a trajectory that breaks the contract (fetched without tokens)
             return build_record(
                 trial.request,
                 run=self.run.metadata.name,
@@ -615,62 +614,37 @@ class KubeTrialBackend:
 
     # -- the proxy ------------------------------------------------------------------------------------------
 
-    def _proxy(self, pod: Mapping[str, Any], method: str, path: str, body: Any = None) -> dict[str, Any]:
+    def _client(self, pod: Mapping[str, Any]) -> ProxyClient:
+        """The trial's proxy, dialled directly at the pod's IP."""
         ip = (pod.get("status") or {}).get("podIP")
         if not ip:
             raise ProxyError("the trial pod has no IP: its proxy cannot be reached")
         host = f"[{ip}]" if ":" in ip else ip
-        url = f"http://{host}:{self.settings.proxy_port}{path}"
-        problem = ""
-        for attempt in range(self.settings.proxy_attempts):
-            if attempt:
-                time.sleep(min(2.0**attempt * 0.25, 5.0))
-            try:
-                response = self._http.request(method, url, json=body)
-            except httpx.HTTPError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-                continue
-            if response.status_code >= 500:
-                problem = f"HTTP {response.status_code}: {response.text[:300]}"
-                continue
-            if response.status_code >= 400:
-                raise ProxyError(
-                    f"the proxy refused {method} {path}: HTTP {response.status_code}: {response.text[:300]}"
-                )
-            try:
-                data = response.json()
-            except ValueError as exc:
-                raise ProxyError(f"the proxy's {path} is not JSON: {exc}") from exc
-            if not isinstance(data, dict):
-                raise ProxyError(f"the proxy's {path} is not a JSON object")
-            return data
-        raise ProxyError(f"the proxy did not answer {method} {path} ({problem})")
+        return ProxyClient(
+            self._http, f"http://{host}:{self.settings.proxy_port}", attempts=self.settings.proxy_attempts
+        )
 
-    def _trajectory(self, trial: _Trial) -> dict[str, Any] | None:
+    def _trajectory(self, trial: _Trial) -> TrajectorySummary | None:
         pod = self.pods.get(self.namespace, trial.names.pod)
         if pod is None:
+            trial.proxy_problem = "the trial pod is gone"
             return None
         try:
-            trajectory = self._proxy(pod, "GET", "/trajectory")
+            proxy = self._client(pod)
+            trajectory = proxy.trajectory()
         except ProxyError as exc:
             log.warning("trial %s: %s", trial.request.trial, exc)
+            trial.proxy_problem = str(exc)
             return None
         if self.on_proxy_metrics is not None:
-            self._proxy_metrics(pod, trial)
+            # Figures are nice to have: one try, and a trial never fails on them.
+            text = proxy.metrics()
+            try:
+                if text is not None:
+                    self.on_proxy_metrics(text)
+            except ValueError as exc:
+                log.debug("trial %s: unreadable proxy metrics: %s", trial.request.trial, exc)
         return trajectory
-
-    def _proxy_metrics(self, pod: Mapping[str, Any], trial: _Trial) -> None:
-        """One try at the proxy's Prometheus text: figures are nice to have, a trial never waits on them."""
-        ip = (pod.get("status") or {}).get("podIP")
-        if not ip or self.on_proxy_metrics is None:
-            return
-        host = f"[{ip}]" if ":" in ip else ip
-        try:
-            response = self._http.get(f"http://{host}:{self.settings.proxy_port}/metrics", timeout=5.0)
-            if response.status_code == 200:
-                self.on_proxy_metrics(response.text)
-        except (httpx.HTTPError, ValueError) as exc:
-            log.debug("trial %s: no proxy metrics: %s", trial.request.trial, exc)
 
     # -- adoption and cleanup ------------------------------------------------------------------------------
 

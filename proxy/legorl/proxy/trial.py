@@ -12,12 +12,13 @@ import binascii
 import io
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 
+from legorl.api.summary import EndSource, TrajectorySummary, TrialEnd
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import ApiFormat, ExpertIds, TrajectoryError, Turn, routing_array
 from legorl.proxy.errors import ProxyError
@@ -27,7 +28,7 @@ from legorl.proxy.metrics import Metrics
 from legorl.proxy.segments import Assembler
 from legorl.proxy.settings import ProxySettings
 
-__all__ = ["EndState", "Trial", "decode_routed_experts"]
+__all__ = ["Trial", "decode_routed_experts"]
 
 log = logging.getLogger(__name__)
 
@@ -52,26 +53,6 @@ def decode_routed_experts(encoded: str) -> ExpertIds:
         raise ProxyError("engine_error", str(exc)) from exc
 
 
-@dataclass(frozen=True)
-class EndState:
-    """How the trial ended, and who said so."""
-
-    reason: TerminationReason
-    source: str  # "proxy" (it saw the failure) or "harness" (POST /finish)
-    detail: str | None
-    exit_code: int | None
-    ended_at: datetime
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "reason": self.reason.value,
-            "source": self.source,
-            "detail": self.detail,
-            "exitCode": self.exit_code,
-            "endedAt": self.ended_at.isoformat(),
-        }
-
-
 def _canonical(arguments: Any) -> str | None:
     """A JSON text in one spelling (sorted keys, no spaces), or None if it is not JSON."""
     if not isinstance(arguments, str):
@@ -94,20 +75,14 @@ class Trial:
         """The engine's own spelling of the arguments of every tool call it answered this trial, by
         call id (see `restore_tool_arguments`); in memory only: after a restart, earlier calls merge
         only if the harness sends their arguments back unchanged."""
-        self.end: EndState | None = None
+        self.end: TrialEnd | None = None
         self.last_failure: ProxyError | None = None
         self.errors: dict[str, int] = {}
         for record in self.journal.recovered.records:
             if record.get("type") == "turn":
                 self.turns.append(turn_from_record(record))
             elif record.get("type") == "end":
-                self.end = EndState(
-                    reason=TerminationReason(record["reason"]),
-                    source=record["source"],
-                    detail=record.get("detail"),
-                    exit_code=record.get("exitCode"),
-                    ended_at=datetime.fromisoformat(record["endedAt"]),
-                )
+                self.end = TrialEnd.from_json(record)
         self.turns.sort(key=lambda t: t.index)
         self.assembler = Assembler()
         for turn in self.turns:
@@ -273,18 +248,20 @@ class Trial:
             await self._end(TerminationReason.TURN_LIMIT, "proxy", error.message, None)
 
     async def _end(
-        self, reason: TerminationReason, source: str, detail: str | None, exit_code: int | None
+        self, reason: TerminationReason, source: EndSource, detail: str | None, exit_code: int | None
     ) -> None:
         if self.end is not None:
             return
-        self.end = EndState(reason, source, detail, exit_code, datetime.now(UTC))
+        self.end = TrialEnd(
+            reason=reason, source=source, detail=detail, exit_code=exit_code, ended_at=datetime.now(UTC)
+        )
         try:
             await self.journal.append({"type": "end", **self.end.to_json()})
         except JournalError:
             # The end state still holds in memory; the turns that matter are already durable.
             log.exception("could not journal the trial's end state")
 
-    async def finish(self, reason: TerminationReason, detail: str | None, exit_code: int | None) -> EndState:
+    async def finish(self, reason: TerminationReason, detail: str | None, exit_code: int | None) -> TrialEnd:
         """The harness's exit, reconciled with what the proxy saw: a failure the proxy already
         recorded wins, and a harness that gave up right after a prompt overflowed the context
         ended because of the overflow."""
@@ -299,26 +276,29 @@ class Trial:
         assert self.end is not None
         return self.end
 
-    def trajectory(self, *, tokens: bool = True) -> dict[str, Any]:
+    def summary(self, *, tokens: bool = True) -> TrajectorySummary:
         """What the run controller collects: end state, segments and how well they merged."""
         assembly = self.assembler.assembly()
         versions: list[str] = []
         for turn in self.turns:
             versions.extend(v for v in turn.policy_versions if v not in versions)
-        return {
-            "run": self.settings.run,
-            "trial": self.settings.trial,
-            "state": "ended" if self.end else "running",
-            "end": self.end.to_json() if self.end else None,
-            "turns": len(self.turns),
-            "policyVersions": versions,
-            "mergedTurnShare": assembly.merged_turn_share,
-            "errors": dict(self.errors),
-            # Bytes of a torn record cut off the journal at start (a crash mid-write; never acknowledged).
-            "journalDroppedBytes": self.journal.recovered.dropped_bytes,
-            "finishReasons": _count(t.finish_reason for t in self.turns),
-            "segments": [s.to_json() for s in assembly.segments] if tokens else len(assembly.segments),
-        }
+        return TrajectorySummary(
+            run=self.settings.run,
+            trial=self.settings.trial,
+            state="ended" if self.end else "running",
+            end=self.end,
+            turns=len(self.turns),
+            policy_versions=versions,
+            merged_turn_share=assembly.merged_turn_share,
+            errors=dict(self.errors),
+            journal_dropped_bytes=self.journal.recovered.dropped_bytes,
+            finish_reasons=_count(t.finish_reason for t in self.turns),
+            segments=list(assembly.segments) if tokens else len(assembly.segments),
+        )
+
+    def trajectory(self, *, tokens: bool = True) -> dict[str, Any]:
+        """`GET /trajectory`'s body: `summary` on the wire (`TrajectorySummary.to_json`)."""
+        return self.summary(tokens=tokens).to_json()
 
 
 def _count(values: Any) -> dict[str, int]:
