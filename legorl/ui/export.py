@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
 
-from .server import STATIC_DIR, Request, UiApp
+import httpx
+
+from .server import STATIC_DIR, UiApp
 from .settings import UiSettings
 
 __all__ = ["bundle_modules", "export_html"]
@@ -118,9 +120,13 @@ def _pick_trials(rows: list[dict[str, Any]], limit: int) -> list[str]:
 
 async def _responses(app: UiApp, max_trajectories: int) -> tuple[dict[str, Any], dict[str, Any], str]:
     async def ask(path: str) -> Any:
-        return await app._dispatch(Request(method="GET", path="/" + path, query={}, headers={}))
+        response = await client.get("/" + path)
+        if response.status_code != 200:
+            raise RuntimeError(f"{path}: HTTP {response.status_code}: {response.text[:500]}")
+        return response.json()
 
     await app.startup()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ui")
     try:
         responses: dict[str, Any] = {}
         info = await ask("api/info")
@@ -143,6 +149,7 @@ async def _responses(app: UiApp, max_trajectories: int) -> tuple[dict[str, Any],
                 responses[f"{base}/trials/{quote(trial, safe='')}"] = await ask(f"{base}/trials/{trial}")
         return responses, trials, title
     finally:
+        await client.aclose()
         await app.shutdown()
 
 

@@ -1,4 +1,4 @@
-"""The UI's ASGI application: a JSON API over run stores and the cluster, and the packaged front end.
+"""The UI's web application (Starlette): a JSON API over run stores and the cluster, and the front end.
 
 Routes (all JSON but `/` and `/static/...`; every URL the front end uses is relative, so the UI works
 at any path prefix, behind `kubectl port-forward` or `kubectl proxy`):
@@ -27,14 +27,22 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
-from urllib.parse import parse_qs, unquote
+from urllib.parse import unquote
 
 import httpx
+from starlette.applications import Starlette
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from legorl.api import __version__
 from legorl.api.run import VALIDATE_ANNOTATION
@@ -57,23 +65,19 @@ __all__ = ["CSP", "UiApp", "start_in_thread"]
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 STATIC_DIR: Final = Path(__file__).parent / "static"
 CSP: Final = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
-_SECURITY_HEADERS: Final = [
-    (b"content-security-policy", CSP.encode()),
-    (b"x-content-type-options", b"nosniff"),
-    (b"referrer-policy", b"no-referrer"),
-    (b"x-frame-options", b"DENY"),
-    (b"cross-origin-opener-policy", b"same-origin"),
-]
+_HEADERS: Final = {
+    "cache-control": "no-store",
+    "content-security-policy": CSP,
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "x-frame-options": "DENY",
+    "cross-origin-opener-policy": "same-origin",
+}
 _TYPES: Final = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
@@ -86,6 +90,7 @@ ACTIONS: Final = ("pause", "resume", "validate")
 _TRIAL_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _RUN_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~-]{0,300}")
 _MAX_BODY: Final = 64 * 1024
+_ANY_METHOD: Final = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
 class HttpError(Exception):
@@ -98,20 +103,13 @@ class HttpError(Exception):
         self.param = param
 
 
-@dataclass
-class Request:
-    method: str
-    path: str
-    query: dict[str, list[str]]
-    headers: dict[str, str]
-    params: dict[str, str] = field(default_factory=dict)
-    body: bytes = b""
-
-
 class Params:
     """Query parameters, checked: unknown names, repeats and malformed values are 400s."""
 
-    def __init__(self, query: dict[str, list[str]], allowed: tuple[str, ...]) -> None:
+    def __init__(self, request: Request, allowed: tuple[str, ...]) -> None:
+        query: dict[str, list[str]] = {}
+        for name, value in request.query_params.multi_items():
+            query.setdefault(name, []).append(value)
         for name, values in query.items():
             if name not in allowed:
                 known = ", ".join(allowed) if allowed else "none"
@@ -194,8 +192,72 @@ def json_bytes(obj: Any) -> bytes:
         return json.dumps(_clean(obj), allow_nan=False, separators=(",", ":"), default=str).encode()
 
 
-def _error(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "param": param, "status": status}}
+def _json(status: int, obj: Any) -> Response:
+    return Response(json_bytes(obj), status, media_type="application/json")
+
+
+def _error(status: int, message: str, param: str | None = None) -> Response:
+    return _json(status, {"error": {"message": message, "param": param, "status": status}})
+
+
+def _failure(request: Request, exc: Exception) -> Response:
+    """The answer to a request that failed: the status and message a person can act on."""
+    if isinstance(exc, HttpError):
+        return _error(exc.status, exc.message, exc.param)
+    if isinstance(exc, NotFound):
+        return _error(404, str(exc))
+    if isinstance(exc, KubeError):
+        status = exc.status if exc.status in (404, 409, 422, 503) else 502
+        return _error(status, f"Kubernetes API: {exc}")
+    if isinstance(exc, StoreError):
+        return _error(500, f"run store: {exc}")
+    if isinstance(exc, HTTPException):  # the router's: no route, or not this method
+        if exc.status_code == 404:
+            return _error(404, f"no such endpoint: {request.url.path}")
+        if exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "").split(", ")
+            use = ", ".join(sorted(m for m in allowed if m and m != "HEAD"))
+            return _error(405, f"{request.method} is not allowed here; use {use}")
+        return _error(exc.status_code, str(exc.detail))
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return _error(500, "internal error while answering; the UI's log has the details")
+
+
+def _api(handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Response]]:
+    """A route's endpoint: the handler's result as JSON, or the failure's answer."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return _json(200, await handler(request))
+        except Exception as exc:  # noqa: BLE001 - every failure answers; unexpected ones are logged
+            return _failure(request, exc)
+
+    return endpoint
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    return _failure(request, exc)
+
+
+class _SecurityHeaders:
+    """Every answer, static or JSON, uncached and under a strict Content-Security-Policy."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in _HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 def _now() -> str:
@@ -203,7 +265,7 @@ def _now() -> str:
 
 
 class UiApp:
-    """The UI. Give it to any ASGI server (`legorl ui` uses uvicorn)."""
+    """The UI: a Starlette application. Give it to any ASGI server (`legorl ui` uses uvicorn)."""
 
     def __init__(
         self,
@@ -218,28 +280,38 @@ class UiApp:
         self.catalog = Catalog(settings, kube)
         self._http = http
         self._static = self._load_static()
-        self._routes: list[tuple[str, re.Pattern[str], Callable[[Request], Awaitable[Any]]]] = []
-        self._add("GET", r"/healthz", self.healthz)
-        self._add("GET", r"/api/info", self.info)
-        self._add("GET", r"/api/rules", self.rules)
-        self._add("GET", r"/api/compare", self.compare)
-        self._add("GET", r"/api/runs", self.runs)
-        self._add("GET", r"/api/runs/(?P<run>[^/]+)", self.overview)
-        self._add("GET", r"/api/runs/(?P<run>[^/]+)/curves", self.curves)
-        self._add("GET", r"/api/runs/(?P<run>[^/]+)/outcomes", self.outcomes)
-        self._add("GET", r"/api/runs/(?P<run>[^/]+)/tasks", self.tasks)
-        self._add("GET", r"/api/runs/(?P<run>[^/]+)/trials", self.trials)
-        self._add("GET", r"/api/runs/(?P<run>[^/]+)/trials/(?P<trial>[^/]+)", self.trajectory)
-        self._add("GET", r"/api/runs/(?P<run>[^/]+)/fleet", self.fleet)
-        self._add("GET", r"/api/runs/(?P<run>[^/]+)/sandboxes", self.sandboxes)
-        self._add("GET", r"/api/runs/(?P<run>[^/]+)/diagnostics", self.diagnostics)
-        self._add("POST", r"/api/runs/(?P<run>[^/]+)/actions/(?P<action>[^/]+)", self.action)
-
-    def _add(self, method: str, pattern: str, handler: Callable[[Request], Awaitable[Any]]) -> None:
-        self._routes.append((method, re.compile(pattern), handler))
+        run = "/api/runs/{run}"
+        routes = [
+            Route("/", self.static, methods=_ANY_METHOD),
+            Route("/index.html", self.static, methods=_ANY_METHOD),
+            Route("/static/{name:path}", self.static, methods=_ANY_METHOD),
+            Route("/healthz", _api(self.healthz)),
+            Route("/api/info", _api(self.info)),
+            Route("/api/rules", _api(self.rules)),
+            Route("/api/compare", _api(self.compare)),
+            Route("/api/runs", _api(self.runs)),
+            Route(run, _api(self.overview)),
+            Route(f"{run}/curves", _api(self.curves)),
+            Route(f"{run}/outcomes", _api(self.outcomes)),
+            Route(f"{run}/tasks", _api(self.tasks)),
+            Route(f"{run}/trials", _api(self.trials)),
+            Route(f"{run}/trials/{{trial}}", _api(self.trajectory)),
+            Route(f"{run}/fleet", _api(self.fleet)),
+            Route(f"{run}/sandboxes", _api(self.sandboxes)),
+            Route(f"{run}/diagnostics", _api(self.diagnostics)),
+            Route(f"{run}/actions/{{action}}", _api(self.action), methods=["POST"]),
+        ]
+        self.app = Starlette(
+            routes=routes,
+            middleware=[Middleware(_SecurityHeaders)],
+            exception_handlers={HTTPException: _http_exception},
+            lifespan=self._lifespan,
+        )
+        self.app.router.redirect_slashes = False  # `/api/runs/` answers as `/api/runs`, not a redirect
 
     @staticmethod
     def _load_static() -> dict[str, tuple[bytes, str]]:
+        """The front end, read once: a few small files of known types (nothing else under the folder)."""
         files: dict[str, tuple[bytes, str]] = {}
         for path in STATIC_DIR.rglob("*"):
             if path.is_file() and path.suffix in _TYPES:
@@ -261,120 +333,36 @@ class UiApp:
         if self._http is not None:
             await self._http.aclose()
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await self.startup()
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
-    # --- ASGI ------------------------------------------------------------------------------------------
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        if self._http is None:
-            await self.startup()
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        path = scope["path"]
-        request = Request(
-            method=scope["method"],
-            path=path,
-            query=parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True),
-            headers=headers,
-        )
-        if path == "/" or path.startswith("/static/") or path == "/index.html":
-            await self._serve_static(request, send)
-            return
+    @asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.startup()
         try:
-            if request.method == "POST":
-                request.body = await self._read_body(receive)
-            result = await self._dispatch(request)
-            await self._send(send, 200, json_bytes(result), "application/json")
-        except HttpError as exc:
-            await self._send(send, exc.status, json_bytes(_error(exc.status, exc.message, exc.param)))
-        except NotFound as exc:
-            await self._send(send, 404, json_bytes(_error(404, str(exc))))
-        except KubeError as exc:
-            status = exc.status if exc.status in (404, 409, 422, 503) else 502
-            await self._send(send, status, json_bytes(_error(status, f"Kubernetes API: {exc}")))
-        except StoreError as exc:
-            await self._send(send, 500, json_bytes(_error(500, f"run store: {exc}")))
-        except Exception:
-            log.exception("%s %s failed", request.method, path)
-            await self._send(
-                send,
-                500,
-                json_bytes(_error(500, "internal error while answering; the UI's log has the details")),
-            )
+            yield
+        finally:
+            await self.shutdown()
 
-    async def _read_body(self, receive: Receive) -> bytes:
-        body = b""
-        while True:
-            message = await receive()
-            chunk: bytes = message.get("body", b"")
-            body += chunk
-            if len(body) > _MAX_BODY:
-                raise HttpError(413, f"request body over {_MAX_BODY} bytes")
-            if not message.get("more_body"):
-                return body
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            if self._http is None:  # served without a lifespan (httpx's ASGI transport in tests)
+                await self.startup()
+            path = scope["path"]
+            if path != "/" and path.endswith("/") and not path.startswith("/static/"):
+                scope = {**scope, "path": path.rstrip("/") or "/"}
+        await self.app(scope, receive, send)
 
-    async def _dispatch(self, request: Request) -> Any:
-        allowed = []
-        for method, pattern, handler in self._routes:
-            match = pattern.fullmatch(request.path.rstrip("/") or "/")
-            if match is None:
-                continue
-            if method != request.method:
-                allowed.append(method)
-                continue
-            request.params = {k: unquote(v) for k, v in match.groupdict().items()}
-            return await handler(request)
-        if allowed:
-            raise HttpError(
-                405, f"{request.method} is not allowed here; use {', '.join(sorted(set(allowed)))}"
-            )
-        raise HttpError(404, f"no such endpoint: {request.path}")
-
-    async def _send(
-        self,
-        send: Send,
-        status: int,
-        body: bytes,
-        content_type: str = "application/json",
-        extra: list[tuple[bytes, bytes]] | None = None,
-    ) -> None:
-        headers = [
-            (b"content-type", content_type.encode()),
-            (b"content-length", str(len(body)).encode()),
-            (b"cache-control", b"no-store"),
-            *_SECURITY_HEADERS,
-            *(extra or []),
-        ]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-    async def _serve_static(self, request: Request, send: Send) -> None:
+    async def static(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
-            await self._send(send, 405, json_bytes(_error(405, "static files are GET only")))
-            return
-        name = "index.html" if request.path in ("/", "/index.html") else request.path.removeprefix("/static/")
+            return _error(405, "static files are GET only")
+        name = request.path_params.get("name", "index.html")
         found = self._static.get(name)
         if found is None:
-            await self._send(send, 404, json_bytes(_error(404, f"no static file {name!r}")))
-            return
+            return _error(404, f"no static file {name!r}")
         body, content_type = found
-        await self._send(send, 200, b"" if request.method == "HEAD" else body, content_type)
+        return Response(b"" if request.method == "HEAD" else body, media_type=content_type)
 
     # --- helpers ---------------------------------------------------------------------------------------
     async def _entry(self, request: Request) -> RunEntry:
-        run = request.params["run"]
+        run = _path_param(request, "run")
         if not _RUN_RE.fullmatch(run):
             raise HttpError(404, f"no run {run!r}", "run")
         return await self.catalog.get(run)
@@ -427,11 +415,11 @@ class UiApp:
 
     # --- handlers ----------------------------------------------------------------------------------------
     async def healthz(self, request: Request) -> Any:
-        Params(request.query, ())
+        Params(request, ())
         return {"ok": True}
 
     async def info(self, request: Request) -> Any:
-        Params(request.query, ())
+        Params(request, ())
         return {
             "version": __version__,
             "cluster": self.kube is not None,
@@ -443,17 +431,17 @@ class UiApp:
         }
 
     async def rules(self, request: Request) -> Any:
-        Params(request.query, ())
+        Params(request, ())
         return await asyncio.to_thread(diag.rules)
 
     async def runs(self, request: Request) -> Any:
-        Params(request.query, ())
+        Params(request, ())
         entries, note = await self.catalog.runs()
         rows = [await self._row(e) for e in entries]
         return {"runs": rows, "cluster_note": note}
 
     async def overview(self, request: Request) -> Any:
-        Params(request.query, ())
+        Params(request, ())
         entry = await self._entry(request)
         out: dict[str, Any] = {"run": await self._row(entry)}
         if entry.store is not None:
@@ -505,23 +493,23 @@ class UiApp:
         return out[:200]
 
     async def curves(self, request: Request) -> Any:
-        Params(request.query, ())
+        Params(request, ())
         entry = await self._entry(request)
         return await asyncio.to_thread(self._need_store(entry).curves)
 
     async def outcomes(self, request: Request) -> Any:
-        Params(request.query, ())
+        Params(request, ())
         entry = await self._entry(request)
         return await asyncio.to_thread(self._need_store(entry).outcomes)
 
     async def tasks(self, request: Request) -> Any:
-        Params(request.query, ())
+        Params(request, ())
         entry = await self._entry(request)
         return await asyncio.to_thread(self._need_store(entry).task_grid)
 
     async def trials(self, request: Request) -> Any:
         p = Params(
-            request.query,
+            request,
             (
                 "split",
                 "step",
@@ -579,15 +567,15 @@ class UiApp:
         return await asyncio.to_thread(store.query_trials, query)
 
     async def trajectory(self, request: Request) -> Any:
-        Params(request.query, ())
-        trial = request.params["trial"]
+        Params(request, ())
+        trial = _path_param(request, "trial")
         if not _TRIAL_RE.fullmatch(trial):
             raise HttpError(404, f"no trial {trial!r}", "trial")
         entry = await self._entry(request)
         return await asyncio.to_thread(self._need_store(entry).trajectory, trial)
 
     async def fleet(self, request: Request) -> Any:
-        Params(request.query, ())
+        Params(request, ())
         entry = await self._entry(request)
         out: dict[str, Any] = {"available": False, "replicas": []}
         if entry.store is not None:
@@ -693,7 +681,7 @@ class UiApp:
         return out
 
     async def sandboxes(self, request: Request) -> Any:
-        Params(request.query, ())
+        Params(request, ())
         entry = await self._entry(request)
         out: dict[str, Any] = {"available": False}
         if entry.store is not None:
@@ -746,7 +734,7 @@ class UiApp:
         return out
 
     async def diagnostics(self, request: Request) -> Any:
-        Params(request.query, ())
+        Params(request, ())
         entry = await self._entry(request)
         pods: list[dict[str, Any]] = []
         events: list[dict[str, Any]] = []
@@ -770,7 +758,7 @@ class UiApp:
         return {**result, "store_note": entry.store_note}
 
     async def compare(self, request: Request) -> Any:
-        p = Params(request.query, ("runs",))
+        p = Params(request, ("runs",))
         text = p.text("runs", 2048)
         ids = [r for r in (text or "").split(",") if r]
         if len(ids) < 2:
@@ -790,8 +778,9 @@ class UiApp:
         return {"runs": out}
 
     async def action(self, request: Request) -> Any:
-        Params(request.query, ())
-        action = request.params["action"]
+        await _read_body(request)
+        Params(request, ())
+        action = _path_param(request, "action")
         if action not in ACTIONS:
             raise HttpError(404, f"no action {action!r}; actions: {', '.join(ACTIONS)}", "action")
         token = self.settings.action_token
@@ -819,6 +808,19 @@ class UiApp:
         await self.kube.patch_run(entry.namespace, entry.name, patch)
         log.info("action %s on RLRun %s/%s", action, entry.namespace, entry.name)
         return {"ok": True, "action": action, "run": entry.id, "patch": patch}
+
+
+def _path_param(request: Request, name: str) -> str:
+    return unquote(request.path_params[name])
+
+
+async def _read_body(request: Request) -> bytes:
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > _MAX_BODY:
+            raise HttpError(413, f"request body over {_MAX_BODY} bytes")
+    return body
 
 
 def _fleet_name(entry: RunEntry) -> str:
