@@ -84,6 +84,10 @@ def test_wheel_holds_only_the_legorl_namespace(repo: Path, tmp_path: Path) -> No
         "legorl/ui/static/css/app.css",
     } <= set(names)
     assert "legorl/controller/harness/mini.yaml" in names
+    # The bundled task set's generator reads its templates from the package.
+    templates = repo / "sandbox-images/legorl/sandbox/tiny-python"
+    assert {f"legorl/sandbox/tiny-python/{p.name}" for p in templates.glob("*.toml")} <= set(names)
+    assert "legorl/sandbox/tiny-python/set.toml" in names
 
 
 def test_extras_keep_the_ml_stack_out_of_operator_and_proxy(repo: Path) -> None:

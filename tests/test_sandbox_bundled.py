@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 import traceback
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -109,6 +110,17 @@ def test_manifest_is_well_formed(generated: Generated, task_set: TaskSet) -> Non
         assert _diff_files(wrong) <= sources
         assert not any(f.startswith("tests/") for f in sources)
         assert hidden not in task.problem_statement
+
+
+def test_every_template_file_is_in_the_set_once() -> None:
+    # A package file that set.toml does not name would be silently left out of the set.
+    folder = Path(bundled.__file__).with_name(bundled.TEMPLATES)
+    listed = tomllib.loads((folder / "set.toml").read_text(encoding="utf-8"))["packages"]
+    assert len(set(listed)) == len(listed)
+    assert sorted(listed) == sorted(p.stem for p in folder.glob("*.toml") if p.name != "set.toml")
+    assert [bug.package.name for bug in bundled.bugs()] == sorted(
+        (bug.package.name for bug in bundled.bugs()), key=listed.index
+    )
 
 
 def test_bugs_are_varied(task_set: TaskSet) -> None:

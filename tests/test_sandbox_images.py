@@ -779,6 +779,7 @@ def test_build_tool_makes_a_sources_only_zipapp(staged_tool: Path) -> None:
     # Every module but the task generator, which carries the bundled tasks' answers.
     modules = {n for n in names if n.endswith(".py")} - {"__main__.py"}
     assert modules == expected - {"legorl/sandbox/bundled.py"}
+    assert not [n for n in names if "tiny-python" in n], "its templates (the answers) stay out too"
 
 
 def test_build_tool_refuses_a_tree_without_the_cli(tmp_path: Path) -> None:

@@ -112,7 +112,7 @@ def test_fix_edits_restore_every_bundled_module() -> None:
     # place. Each edit's old text occurs once where it is applied, and together they give the correct source.
     for task_id, bug in bundled.numbered_bugs():
         correct = bug.package.source
-        text = bundled._apply(correct, bug.plant, task_id)
+        text = bundled.apply_edits(correct, bug.plant, task_id)
         for old, new in demos._reverse_edits(text, bug.plant, correct):
             assert text.count(old) == 1, task_id
             text = text.replace(old, new, 1)

@@ -27,10 +27,10 @@ cp -R "$src/legorl/sandbox" "$stage/legorl/sandbox"
 # Sources only: byte-code caches belong to whichever Python built them and only bloat the archive.
 find "$stage" -name __pycache__ -type d -prune -exec rm -rf {} +
 find "$stage" -type f \( -name '*.pyc' -o -name '*.pyo' \) -exec rm -f {} +
-# The bundled task generator holds every tiny-python task's gold fix and hidden tests. No pod
-# stage needs it (`legorl-sandbox tasks` runs on a workstation), and the verify pod mounts this
-# tool where the code under test runs: leave it out.
-rm -f "$stage/legorl/sandbox/bundled.py"
+# The bundled task generator and its templates hold every tiny-python task's gold fix and hidden
+# tests. No pod stage needs them (`legorl-sandbox tasks` runs on a workstation), and the verify pod
+# mounts this tool where the code under test runs: leave them out.
+rm -rf "$stage/legorl/sandbox/bundled.py" "$stage/legorl/sandbox/tiny-python"
 
 mkdir -p "$(dirname "$out")"
 "$python" -I -m zipapp "$stage" --main 'legorl.sandbox.cli:main' --compress --output "$out"

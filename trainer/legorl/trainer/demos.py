@@ -17,8 +17,8 @@ scripted model that answers with the behaviour's turns, in a real checkout of th
 scripted model is sent on each call is exactly the message list mini sends a model server, so a policy
 trained on these prompts sees the prompts the harness will send it.
 
-Demonstrations are only made for the bundled set: the edits come from the generator's table
-(`legorl.sandbox.bundled.BUGS`), not from the manifest.
+Demonstrations are only made for the bundled set: the edits come from the generator's templates
+(`legorl.sandbox.bundled.bugs()`), not from the manifest.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def behaviour_commands(task_id: str) -> dict[Behaviour, list[str]]:
         )
     bug = bugs[task_id]
     correct = bug.package.source
-    buggy = bundled._apply(correct, bug.plant, task_id)
+    buggy = bundled.apply_edits(correct, bug.plant, task_id)
     fix = _reverse_edits(buggy, bug.plant, correct)
     return {
         Behaviour.FIX: [edit_command(bug.package.module_path, fix), SUBMIT_COMMAND],
