@@ -65,12 +65,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool  # noqa: E402
+from legorl.api.labels import OWNER_LABEL  # noqa: E402
 from legorl.operator.handlers import CHILD_KINDS, MANAGED, _resync_loop, build_registry  # noqa: E402
 from legorl.operator.kube import RESOURCES, Credentials, KubeClient  # noqa: E402
 from legorl.operator.main import kopf_settings, make_reconciler  # noqa: E402
 from legorl.operator.observe import Observed  # noqa: E402
 from legorl.operator.reconcile import Reconciler  # noqa: E402
-from legorl.operator.render.common import OWNER_LABEL, RenderContext, owner_key  # noqa: E402
+from legorl.operator.render.common import RenderContext, owner_key  # noqa: E402
 from legorl.operator.render.fleet import render_fleet  # noqa: E402
 from legorl.operator.render.pool import render_pool  # noqa: E402
 from legorl.operator.render.run import render_run  # noqa: E402

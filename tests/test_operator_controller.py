@@ -44,20 +44,23 @@ from prometheus_client import generate_latest
 
 from legorl.api.conditions import find_condition
 from legorl.api.kinds import KINDS, RLRun, SandboxPool
-from legorl.api.run import VALIDATE_ANNOTATION
+from legorl.api.labels import (
+    AGENT_OUTCOME_ANNOTATION,
+    LOOKAHEAD_ANNOTATION,
+    REQUEST_ANNOTATION,
+    VALIDATE_ANNOTATION,
+)
 from legorl.api.store import RunStore
 from legorl.controller.backend import TrialRequest
 from legorl.operator.canary import canary_trial_id
 from legorl.operator.handlers import build_registry
 from legorl.operator.main import make_reconciler
 from legorl.operator.observe import Observed
-from legorl.operator.render.common import LOOKAHEAD_ANNOTATION, RenderContext
+from legorl.operator.render.common import RenderContext
 from legorl.operator.render.tree import PLACEHOLDER_UID
 from legorl.operator.render.trial import (
-    AGENT_OUTCOME_ANNOTATION,
     COLLECT_GRACE_SECONDS,
     HOLD,
-    REQUEST_ANNOTATION,
     FleetAccess,
     agent_task_row,
     lookahead_value,

@@ -24,10 +24,10 @@ import kopf
 import pytest
 import yaml
 
+from legorl.api.labels import POLICY_VERSION_ANNOTATION
 from legorl.operator.handlers import build_registry
 from legorl.operator.main import kopf_settings, make_reconciler
 from legorl.operator.reconcile import Reconciler
-from legorl.operator.render.common import POLICY_VERSION_ANNOTATION
 from legorl.operator.settings import OperatorSettings
 from tests.kubeapi import MockApi, OperatorHandle, mock_timeouts, run_operator
 

@@ -20,11 +20,12 @@ import yaml
 
 from legorl.api.fleet import WeightSync
 from legorl.api.kinds import KINDS, Resource, RLRun, RolloutFleet, SandboxPool
+from legorl.api.labels import HASH_ANNOTATION
 from legorl.api.run import Harness
 from legorl.manifests.generated import to_yaml
 from legorl.manifests.load import Document
 from legorl.manifests.validate import validate_document
-from legorl.operator.render.common import HASH_ANNOTATION, RenderContext, TrialTracing, label_value, owner_key
+from legorl.operator.render.common import RenderContext, TrialTracing, label_value, owner_key
 from legorl.operator.render.fleet import RenderError, render_fleet, vllm_args
 from legorl.operator.render.pool import PROXY_UID, TrialContext, render_pool, trial_pod, verify_pod
 from legorl.operator.render.run import MASTER_PORT, WEIGHT_SYNC_PORT, WeightSyncMethod, render_run

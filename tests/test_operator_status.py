@@ -12,11 +12,12 @@ from legorl.api.common import Condition
 from legorl.api.conditions import find_condition
 from legorl.api.fleet import RolloutFleetStatus
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
+from legorl.api.labels import HASH_ANNOTATION, POLICY_VERSION_ANNOTATION
 from legorl.api.pool import SandboxPoolStatus
 from legorl.api.run import RLRunStatus
 from legorl.manifests.problems import Problem
 from legorl.operator.observe import Observed, child_view, pod_view
-from legorl.operator.render.common import HASH_ANNOTATION, POLICY_VERSION_ANNOTATION, labels
+from legorl.operator.render.common import labels
 from legorl.operator.render.fleet import APP as ENGINE_APP
 from legorl.operator.render.fleet import COMPONENT as ENGINE
 from legorl.operator.render.pool import APP as SANDBOX_APP

@@ -591,11 +591,6 @@ class PreflightResult(ApiModel):
     """What was found and what to do."""
 
 
-VALIDATE_ANNOTATION = "legorl.dev/validate-requested"
-"""Set (to any new value, by convention the time) to ask the operator for a canary of the run; the
-result lands in `status.validation` with the same value in `requested`."""
-
-
 class ValidationCheck(ApiModel):
     """One check of a canary."""
 

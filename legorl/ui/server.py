@@ -45,7 +45,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from legorl.api import __version__
-from legorl.api.run import VALIDATE_ANNOTATION
+from legorl.api.labels import VALIDATE_ANNOTATION
 from legorl.api.store import StoreError
 
 from . import diag
@@ -55,7 +55,7 @@ from .kube import (
     POLICY_VERSION_ANNOTATION,
     RUN_LABEL,
     TRIAL_LABEL,
-    KubeError,
+    ApiError,
     KubeSource,
     pod_stage,
 )
@@ -206,7 +206,7 @@ def _failure(request: Request, exc: Exception) -> Response:
         return _error(exc.status, exc.message, exc.param)
     if isinstance(exc, NotFound):
         return _error(404, str(exc))
-    if isinstance(exc, KubeError):
+    if isinstance(exc, ApiError):
         status = exc.status if exc.status in (404, 409, 422, 503) else 502
         return _error(status, f"Kubernetes API: {exc}")
     if isinstance(exc, StoreError):

@@ -10,14 +10,12 @@ from typing import Any
 
 import kopf
 
+from legorl.api.labels import FINALIZER
 from legorl.operator.handlers import LoginFn, build_registry
 from legorl.operator.metrics import MeteredReconciler
 from legorl.operator.reconcile import Reconciler
 from legorl.operator.render.common import RenderContext
 from legorl.operator.settings import OperatorSettings
-
-FINALIZER = "legorl.dev/operator"
-"""kopf's finalizer on RLRuns, so the run controller daemon stops before the run goes away."""
 
 
 def kopf_settings(settings: OperatorSettings) -> kopf.OperatorSettings:

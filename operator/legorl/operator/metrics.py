@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from legorl.api.labels import COMPONENT_LABEL
 from legorl.operator.reconcile import Reconciler, TransientError
-from legorl.operator.render.common import COMPONENT_LABEL
 from legorl.operator.store import CUSTOM_KINDS, ObjectKey
 from legorl.telemetry.metrics import ProgressMetrics, ProxyTotals, new_registry
 

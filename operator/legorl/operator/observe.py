@@ -8,7 +8,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from legorl.operator.render.common import HASH_ANNOTATION, OWNER_LABEL, POLICY_VERSION_ANNOTATION
+from legorl.api.labels import (
+    HASH_ANNOTATION,
+    IMAGES_ANNOTATION,
+    OWNER_LABEL,
+    POLICY_VERSION_ANNOTATION,
+    PREFIX,
+)
 
 MAX_VERSION = 63
 PULL_FAILURES = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
@@ -128,7 +134,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         unschedulable=unschedulable,
         containers=tuple(_container_state(s, False) for s in status.get("containerStatuses") or []),
         init_containers=tuple(_container_state(s, True) for s in status.get("initContainerStatuses") or []),
-        images=_image_list((meta.get("annotations") or {}).get("legorl.dev/images")),
+        images=_image_list((meta.get("annotations") or {}).get(IMAGES_ANNOTATION)),
     )
 
 
@@ -180,7 +186,7 @@ def child_view(body: Mapping[str, Any]) -> ChildView:
         observed_generation=int(status.get("observedGeneration", 0) or 0),
         counters=counters,
         conditions=conditions,
-        annotations={k: v for k, v in annotations.items() if k.startswith("legorl.dev/")},
+        annotations={k: v for k, v in annotations.items() if k.startswith(PREFIX)},
     )
 
 

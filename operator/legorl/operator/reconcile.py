@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from legorl.api.common import Condition
 from legorl.api.conditions import rlrun_phase, set_condition
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
+from legorl.api.labels import HASH_ANNOTATION, fleet_name, pool_name
 from legorl.manifests.preflight import check_resource, check_run_against_fleet
 from legorl.manifests.problems import Problem
 from legorl.operator.kube import ApiError, KubeClient
@@ -29,7 +30,7 @@ from legorl.operator.patch import apply_merge_patch, merge_patch
 from legorl.operator.render.common import RenderContext, owner_key
 from legorl.operator.render.fleet import LWS_API, RenderError, model_location, render_fleet
 from legorl.operator.render.pool import pod_template_hash, render_pool
-from legorl.operator.render.run import fleet_name, pool_name, render_run, store_uri
+from legorl.operator.render.run import render_run, store_uri
 from legorl.operator.settings import OperatorSettings
 from legorl.operator.status.fleet import compute_fleet_status
 from legorl.operator.status.pool import compute_pool_status
@@ -186,7 +187,7 @@ class Reconciler:
         for obj in desired:
             kind, name = obj["kind"], obj["metadata"]["name"]
             wanted.add((kind, name))
-            digest = obj["metadata"]["annotations"]["legorl.dev/desired-hash"]
+            digest = obj["metadata"]["annotations"][HASH_ANNOTATION]
             current = observed.child(kind, name)
             last = self.applied.get((namespace, kind, name))
             recently = last is not None and last[0] == digest and now - last[1] < APPLY_GRACE_SECONDS

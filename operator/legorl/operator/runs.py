@@ -46,7 +46,8 @@ from pydantic import ValidationError
 from legorl.api.conditions import RunConditionType as T
 from legorl.api.conditions import find_condition
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
-from legorl.api.run import VALIDATE_ANNOTATION, RunMetrics, ValidationStatus
+from legorl.api.labels import VALIDATE_ANNOTATION, fleet_name, pool_name
+from legorl.api.run import RunMetrics, ValidationStatus
 from legorl.api.store import RunStore, StoreError
 from legorl.api.trajectory import TrialRecord
 from legorl.controller.loop import FIDELITY_REASON, Progress, RunController, RunOutcome
@@ -54,7 +55,7 @@ from legorl.controller.plan import PlanError
 from legorl.operator.canary import Stopped, run_canary, summary, validation_status
 from legorl.operator.kube import ApiError
 from legorl.operator.reconcile import Reconciler, TransientError
-from legorl.operator.render.run import fleet_name, fleet_url, pool_name, store_uri
+from legorl.operator.render.run import fleet_url, store_uri
 from legorl.operator.render.trial import FleetAccess
 from legorl.operator.status.run import ControllerReport, is_terminal
 from legorl.operator.store import ObjectKey

@@ -51,6 +51,14 @@ from typing import Any, Literal, TypeVar
 import httpx
 
 from legorl.api.kinds import RLRun, SandboxPool
+from legorl.api.labels import (
+    AGENT_OUTCOME_ANNOTATION,
+    COMPONENT_LABEL,
+    LOOKAHEAD_ANNOTATION,
+    REQUEST_ANNOTATION,
+    RUN_LABEL,
+    TRIAL_LABEL,
+)
 from legorl.api.summary import TrajectorySummary
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import TrajectoryError, TrialRecord
@@ -58,14 +66,9 @@ from legorl.controller.backend import BackendError, TrialRequest
 from legorl.controller.canary import CANARY_TRIAL_PREFIX
 from legorl.controller.records import build_record, reconcile
 from legorl.operator.kube import ApiError, KubeClient
-from legorl.operator.render.common import LOOKAHEAD_ANNOTATION, RenderContext, label_value
+from legorl.operator.render.common import RenderContext, label_value
 from legorl.operator.render.pool import PROXY_PORT, TRIAL, VERIFY
 from legorl.operator.render.trial import (
-    AGENT_OUTCOME_ANNOTATION,
-    COMPONENT_LABEL,
-    REQUEST_ANNOTATION,
-    RUN_LABEL,
-    TRIAL_LABEL,
     FleetAccess,
     TrialNames,
     lookahead_value,

@@ -12,18 +12,10 @@ from urllib.parse import urlsplit
 from legorl.api._base import GROUP_VERSION
 from legorl.api.common import EnvVar, Placement, PodIdentity, ResourceRequirements
 from legorl.api.kinds import Resource
+from legorl.api.labels import COMPONENT_LABEL, HASH_ANNOTATION, OWNER_LABEL
 
 MANAGED_BY = "legorl-operator"
 """Value of `app.kubernetes.io/managed-by` on every child; the operator watches only these."""
-OWNER_LABEL = "legorl.dev/owner"
-"""`<kind>.<name>` of the custom resource a child belongs to (lowercase kind); the index key."""
-COMPONENT_LABEL = "legorl.dev/component"
-HASH_ANNOTATION = "legorl.dev/desired-hash"
-"""Hash of the rendered child; the operator re-applies a child only when it changes."""
-POLICY_VERSION_ANNOTATION = "legorl.dev/policy-version"
-"""Set on engine pods by whoever loads new weights; the fleet reports it as the served version."""
-LOOKAHEAD_ANNOTATION = "legorl.dev/lookahead-images"
-"""On a SandboxPool with prePull Lookahead: JSON list of the next tasks' images (run controller)."""
 
 MAX_LABEL_VALUE = 63
 

@@ -8,6 +8,7 @@ import shlex
 from typing import Any
 
 from legorl.api.kinds import RolloutFleet
+from legorl.api.labels import COMPONENT_LABEL, REPLICA_LABEL
 from legorl.operator.render.common import (
     RESTRICTED_POD_SECURITY,
     RenderContext,
@@ -298,7 +299,7 @@ def _stateful_groups(fleet: RolloutFleet) -> list[dict[str, Any]]:
     headless = f"{engine_name(fleet.metadata.name)}-hl"
     for index in range(fleet.spec.replicas):
         name = group_name(fleet.metadata.name, index)
-        group = {"legorl.dev/replica": str(index)}
+        group = {REPLICA_LABEL: str(index)}
         leader = _pod_template(fleet, "leader", group)
         worker = _pod_template(fleet, "worker", group)["spec"]["containers"][0]
         leader_container = leader["spec"]["containers"][0]
@@ -410,8 +411,8 @@ def _network_policy(fleet: RolloutFleet) -> dict[str, Any]:
                     # Trials (through their proxy), trainers (weight sync) and the operator (the run
                     # controller) reach the serving port; warm sandboxes and other pods do not.
                     "from": [
-                        {"podSelector": {"matchLabels": {"legorl.dev/component": "trial"}}},
-                        {"podSelector": {"matchLabels": {"legorl.dev/component": "trainer"}}},
+                        {"podSelector": {"matchLabels": {COMPONENT_LABEL: "trial"}}},
+                        {"podSelector": {"matchLabels": {COMPONENT_LABEL: "trainer"}}},
                         {
                             "podSelector": {
                                 "matchLabels": {
@@ -428,7 +429,7 @@ def _network_policy(fleet: RolloutFleet) -> dict[str, Any]:
                 {"from": [{"podSelector": {"matchLabels": engine}}]},
                 *(
                     # NCCL weight transfer opens connections from the trainer on ephemeral ports.
-                    [{"from": [{"podSelector": {"matchLabels": {"legorl.dev/component": "trainer"}}}]}]
+                    [{"from": [{"podSelector": {"matchLabels": {COMPONENT_LABEL: "trainer"}}}]}]
                     if fleet.spec.weight_sync.method == "NCCL"
                     else []
                 ),

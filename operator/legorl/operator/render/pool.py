@@ -8,9 +8,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from legorl.api.kinds import SandboxPool
+from legorl.api.labels import (
+    CHUNK_LABEL,
+    IMAGES_ANNOTATION,
+    LOOKAHEAD_ANNOTATION,
+    POOL_LABEL,
+    RUN_LABEL,
+    TRIAL_LABEL,
+)
 from legorl.api.run import Harness
 from legorl.operator.render.common import (
-    LOOKAHEAD_ANNOTATION,
     RESTRICTED_POD_SECURITY,
     RenderContext,
     env_list,
@@ -38,8 +45,6 @@ VERIFY_PREPARE_UID = 65531
 PROXY_UID = 65533
 """The proxy runs as its own user: the egress lock lets only this UID open non-loopback sockets."""
 PROXY_PORT = 4000
-IMAGES_ANNOTATION = "legorl.dev/images"
-"""On pre-pull DaemonSets and their pods: the JSON list of images the pod's init containers pull."""
 TOOLS_DIR = "/legorl"
 HARNESS_DIR = "/opt/legorl-harness"
 STAGED_WORKSPACE = "/staged-workspace"
@@ -112,8 +117,8 @@ def _prepull_daemon_set(pool: SandboxPool, chunk: int, images: list[str]) -> dic
     component = PREPULL
     name = prepull_name(pool.metadata.name, chunk)
     images_note = {IMAGES_ANNOTATION: json.dumps(images, separators=(",", ":"))}
-    chunk_selector = {**selector_labels(pool, component), "legorl.dev/chunk": str(chunk)}
-    pod_labels = {**labels(pool, component, "legorl-prepull"), "legorl.dev/chunk": str(chunk)}
+    chunk_selector = {**selector_labels(pool, component), CHUNK_LABEL: str(chunk)}
+    pod_labels = {**labels(pool, component, "legorl-prepull"), CHUNK_LABEL: str(chunk)}
     spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -244,8 +249,8 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
     name = f"{trial.run_name}-{trial.trial_id}"
     pod_labels = {
         **labels(pool, TRIAL, APP),
-        "legorl.dev/run": label_value(trial.run_name),
-        "legorl.dev/trial": label_value(trial.trial_id),
+        RUN_LABEL: label_value(trial.run_name),
+        TRIAL_LABEL: label_value(trial.trial_id),
     }
     harness = trial.harness
     base_env = {
@@ -405,8 +410,8 @@ def verify_pod(
     workspace = spec.workspace.path
     pod_labels = {
         **labels(pool, VERIFY, APP),
-        "legorl.dev/run": label_value(trial.run_name),
-        "legorl.dev/trial": label_value(trial.trial_id),
+        RUN_LABEL: label_value(trial.run_name),
+        TRIAL_LABEL: label_value(trial.trial_id),
     }
 
     def verify_args(phase: str) -> list[str]:
@@ -542,7 +547,7 @@ def _network_policy(pool: SandboxPool) -> dict[str, Any]:
         "spec": {
             "podSelector": {
                 "matchLabels": {
-                    "legorl.dev/pool": label_value(pool.metadata.name),
+                    POOL_LABEL: label_value(pool.metadata.name),
                     "app.kubernetes.io/name": APP,
                 }
             },

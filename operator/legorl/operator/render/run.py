@@ -10,10 +10,17 @@ from typing import Any, Literal
 from legorl.api._base import GROUP_VERSION
 from legorl.api.fleet import RolloutFleetSpec
 from legorl.api.kinds import RLRun
-from legorl.api.pool import SandboxPoolSpec
-from legorl.operator.render.common import (
+from legorl.api.labels import (
     COMPONENT_LABEL,
     OWNER_LABEL,
+    POOL_LABEL,
+    RUN_LABEL,
+    fleet_name,
+    pool_name,
+    trainer_name,
+)
+from legorl.api.pool import SandboxPoolSpec
+from legorl.operator.render.common import (
     RESTRICTED_POD_SECURITY,
     RenderContext,
     headless_service,
@@ -44,20 +51,6 @@ STORE_MOUNT = "/store"
 
 WeightSyncMethod = Literal["Filesystem", "NCCL"]
 """`RolloutFleet.spec.weightSync.method`."""
-
-
-def fleet_name(run: RLRun) -> str:
-    """The fleet a run uses: its reference, or the one it owns."""
-    return run.spec.fleet_ref.name if run.spec.fleet_ref else f"{run.metadata.name}-fleet"
-
-
-def pool_name(run: RLRun) -> str:
-    """The pool a run uses: its reference, or the one it owns."""
-    return run.spec.pool_ref.name if run.spec.pool_ref else f"{run.metadata.name}-pool"
-
-
-def trainer_name(run_name: str) -> str:
-    return f"{run_name}-trainer"
 
 
 def writer_address(run: RLRun) -> str:
@@ -306,8 +299,8 @@ def _trial_egress(run: RLRun, fleet_port: int, ctx: RenderContext) -> dict[str, 
         "spec": {
             "podSelector": {
                 "matchLabels": {
-                    "legorl.dev/run": label_value(run.metadata.name),
-                    "legorl.dev/pool": label_value(pool_name(run)),
+                    RUN_LABEL: label_value(run.metadata.name),
+                    POOL_LABEL: label_value(pool_name(run)),
                 }
             },
             "policyTypes": ["Egress"],

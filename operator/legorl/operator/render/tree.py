@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from legorl.api.kinds import Resource, RLRun, RolloutFleet, SandboxPool
+from legorl.api.labels import fleet_name
 from legorl.operator.render.common import RenderContext
 from legorl.operator.render.fleet import RenderError, render_fleet
 from legorl.operator.render.pool import render_pool
-from legorl.operator.render.run import WeightSyncMethod, fleet_name, render_run
+from legorl.operator.render.run import WeightSyncMethod, render_run
 
 PLACEHOLDER_UID = "00000000-0000-4000-8000-000000000000"
 """Owner UIDs are assigned by the API server; rendering outside a cluster uses this one."""

@@ -16,10 +16,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from legorl.api.kinds import RLRun, SandboxPool
+from legorl.api.labels import (
+    AGENT_OUTCOME_ANNOTATION,
+    COMPONENT_LABEL,
+    OWNER_LABEL,
+    REQUEST_ANNOTATION,
+    RUN_LABEL,
+    SPLIT_LABEL,
+    STEP_LABEL,
+    TRIAL_LABEL,
+)
 from legorl.controller.backend import TrialRequest
 from legorl.operator.render.common import (
     MANAGED_BY,
-    OWNER_LABEL,
     RenderContext,
     label_value,
     owner_key,
@@ -29,16 +38,6 @@ from legorl.operator.render.common import (
 from legorl.operator.render.pool import AGENT_UID, TrialContext, trial_pod, verify_pod
 from legorl.sandbox.task import Task, patch_files
 
-RUN_LABEL = "legorl.dev/run"
-TRIAL_LABEL = "legorl.dev/trial"
-STEP_LABEL = "legorl.dev/step"
-SPLIT_LABEL = "legorl.dev/split"
-COMPONENT_LABEL = "legorl.dev/component"
-REQUEST_ANNOTATION = "legorl.dev/trial-request"
-"""On trial and verify pods: the `TrialRequest` (task id, group, split, step, policy version) as JSON,
-so a restarted operator can adopt the pod."""
-AGENT_OUTCOME_ANNOTATION = "legorl.dev/agent-outcome"
-"""On verify pods: how the agent stage ended (`reason`, `exitCode`, `detail`, `stageSeconds`)."""
 HOLD = "hold"
 COLLECT_GRACE_SECONDS = 300
 """Added to the trial pod's backstop deadline: time for the operator to collect and verify."""

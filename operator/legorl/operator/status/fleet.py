@@ -11,6 +11,7 @@ from legorl.api.conditions import FleetReason as R
 from legorl.api.conditions import rfc3339
 from legorl.api.fleet import FleetEndpoint, RolloutFleetStatus
 from legorl.api.kinds import RolloutFleet
+from legorl.api.labels import REPLICA_LABEL
 from legorl.operator.observe import Observed, PodView
 from legorl.operator.render.common import selector_string
 from legorl.operator.render.fleet import LWS_WORKER_INDEX, STS_POD_INDEX, engine_name, engine_selector
@@ -27,7 +28,7 @@ def _groups(fleet: RolloutFleet, pods: list[PodView]) -> dict[str, list[PodView]
         if fleet.spec.parallelism.nodes_per_replica == 1:
             key = pod.name
         else:
-            key = pod.labels.get("legorl.dev/replica") or pod.labels.get(
+            key = pod.labels.get(REPLICA_LABEL) or pod.labels.get(
                 "leaderworkerset.sigs.k8s.io/group-index", pod.name
             )
         out[key].append(pod)

@@ -10,6 +10,7 @@ from datetime import datetime
 from legorl.api.conditions import PoolConditionType as T
 from legorl.api.conditions import PoolReason as R
 from legorl.api.kinds import SandboxPool
+from legorl.api.labels import CHUNK_LABEL, COMPONENT_LABEL, IMAGES_ANNOTATION, LEASED_LABEL
 from legorl.api.pool import ImagePullFailure, NodeImageStatus, SandboxPoolStatus
 from legorl.operator.observe import PULL_FAILURES, Observed, PodView
 from legorl.operator.render.common import selector_string
@@ -46,7 +47,7 @@ def _node_state(
         images = (
             list(pod.images)
             if pod.images is not None
-            else chunk_images.get(pod.labels.get("legorl.dev/chunk", ""), [])
+            else chunk_images.get(pod.labels.get(CHUNK_LABEL, ""), [])
         )
         if pod.phase == "Running" or any(c.state == "running" for c in pod.containers):
             pulled.update(images)  # init containers only let the pause container start when done
@@ -86,11 +87,11 @@ def _cache(pool: SandboxPool, observed: Observed, images: list[str]) -> _Cache:
     cache.scheduled_known = bool(daemon_sets) and all(ds.observed_generation >= 1 for ds in daemon_sets)
     for ds in daemon_sets:
         chunk = ds.name.rsplit("-", 1)[-1]
-        chunk_images[chunk] = json.loads(ds.annotations.get("legorl.dev/images", "[]") or "[]")
+        chunk_images[chunk] = json.loads(ds.annotations.get(IMAGES_ANNOTATION, "[]") or "[]")
         cache.matching_nodes = max(cache.matching_nodes, ds.counters.get("desiredNumberScheduled", 0))
     by_node: dict[str, list[PodView]] = defaultdict(list)
     for pod in observed.pods:
-        if pod.labels.get("legorl.dev/component") == PREPULL and pod.node and not pod.deleting:
+        if pod.labels.get(COMPONENT_LABEL) == PREPULL and pod.node and not pod.deleting:
             by_node[pod.node].append(pod)
     for node in sorted(by_node):
         pulled, failures = _node_state(by_node[node], chunk_images)
@@ -218,9 +219,9 @@ def compute_pool_status(
     _set_images_cached(conds, pool, images, cache, cached)
     _set_defenses(conds, pool, previous)
 
-    warm_pods = [p for p in observed.pods if p.labels.get("legorl.dev/component") == WARM and not p.deleting]
+    warm_pods = [p for p in observed.pods if p.labels.get(COMPONENT_LABEL) == WARM and not p.deleting]
     warm_ready = sum(p.ready for p in warm_pods)
-    leased = sum(p.labels.get("legorl.dev/leased") == "true" for p in warm_pods)
+    leased = sum(p.labels.get(LEASED_LABEL) == "true" for p in warm_pods)
     problems = [pp for p in warm_pods if (pp := pod_problem(p)) is not None]
     images_cond = next(c for c in conds.conditions if c.type == T.IMAGES_CACHED)
     defenses_cond = next(c for c in conds.conditions if c.type == T.DEFENSES_VERIFIED)

@@ -13,6 +13,7 @@ from legorl.api.conditions import RunConditionType as T
 from legorl.api.conditions import RunReason as R
 from legorl.api.conditions import find_condition, rfc3339, rlrun_phase
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
+from legorl.api.labels import fleet_name, pool_name, trainer_name
 from legorl.api.run import (
     PreflightResult,
     RLRunStatus,
@@ -24,7 +25,6 @@ from legorl.api.run import (
 from legorl.api.termination import INFRA_REASONS, TerminationReason
 from legorl.manifests.problems import Problem
 from legorl.operator.observe import ChildView, Observed
-from legorl.operator.render.run import fleet_name, pool_name, trainer_name
 from legorl.operator.status.common import ConditionSet, listing
 
 TERMINAL = (T.SUCCEEDED, T.FAILED)
