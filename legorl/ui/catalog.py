@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .data import NotFound, StoreData
-from .kube import KubeError, KubeSource
+from .kube import ApiError, KubeSource
 from .settings import UiSettings
 
 __all__ = ["Catalog", "RunEntry"]
@@ -136,7 +136,7 @@ class Catalog:
         if self.kube is not None:
             try:
                 bodies = await self.kube.list_objects("RLRun")
-            except KubeError as exc:
+            except ApiError as exc:
                 note = str(exc)
                 bodies = []
             cluster = await asyncio.to_thread(lambda: [self._cluster_entry(b) for b in bodies])

@@ -6,24 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from legorl.kube.credentials import Credentials
+
 __all__ = ["KubeSettings", "UiSettings"]
 
 
 @dataclass(frozen=True)
-class KubeSettings:
+class KubeSettings(Credentials):
     """How the UI reaches the Kubernetes API server (read-only, except token-gated RLRun patches)."""
 
-    server: str
-    """Base URL: the in-cluster service, a kubeconfig context's server, or `kubectl proxy`'s
-    `http://127.0.0.1:8001` (which authenticates for us)."""
-    token: str | None = field(default=None, repr=False)
-    ca_path: str | None = None
-    ca_data: bytes | None = field(default=None, repr=False)
-    cert_path: str | None = None
-    key_path: str | None = None
-    cert_data: bytes | None = field(default=None, repr=False)
-    key_data: bytes | None = field(default=None, repr=False)
-    insecure: bool = False
     namespaces: tuple[str, ...] = ()
     """Namespaces to read; empty: every namespace (cluster-wide list permission)."""
     timeout_seconds: float = 10.0
