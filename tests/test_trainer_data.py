@@ -12,7 +12,14 @@ import torch
 
 from legorl.api.run import TrajectoryFilter
 from legorl.api.termination import INFRA_REASONS, TerminationReason
-from legorl.api.trajectory import Segment, TrialRecord, routing_array
+from legorl.api.trajectory import (
+    Segment,
+    TrajectoryError,
+    TrialRecord,
+    routing_array,
+    trials_from_table,
+    trials_to_table,
+)
 from legorl.trainer.data import (
     DataError,
     TrainSequence,
@@ -269,8 +276,10 @@ def test_sequences_reject_contract_violations() -> None:
         turn_indices=[0],
         policy_versions=["v3"],
     )
-    with pytest.raises(DataError, match="must align"):
-        sequences_from_trials([trial("t1", "g", 1.0, segments=[misaligned])], {"t1": 1.0})
+    # A misaligned segment never reaches the trainer: reading the batch (a table) checks every segment.
+    table = trials_to_table([trial("t1", "g", 1.0, segments=[misaligned])])
+    with pytest.raises(TrajectoryError, match="must align"):
+        trials_from_table(table)
 
 
 # --- packing -----------------------------------------------------------------------------------

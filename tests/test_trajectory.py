@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from legorl.api.summary import TrajectorySummary
 from legorl.api.trajectory import (
     INFRA_REASONS,
     SCHEMA_VERSION,
@@ -443,38 +444,65 @@ def test_turn_contract_violations(turn: Turn, message: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("segment", "message"),
+    ("segment", "message", "table_message"),
     [
         pytest.param(
-            make_segment(loss_mask=[0, 1, 1]), "segment 0: token_ids (6), loss_mask (3)", id="mask-misaligned"
+            make_segment(loss_mask=[0, 1, 1]),
+            "segment 0: token_ids (6), loss_mask (3)",
+            None,
+            id="mask-misaligned",
         ),
         pytest.param(
-            make_segment(behavior_logprobs=[0.0]), "behavior_logprobs (1) must align", id="logprobs"
+            make_segment(behavior_logprobs=[0.0]), "behavior_logprobs (1) must align", None, id="logprobs"
         ),
         pytest.param(
             make_segment(loss_mask=[0, 0, 1, 2, 0, 1]),
             "segment 0: loss_mask holds values other than 0/1",
+            None,
             id="mask-value-2",
         ),
-        pytest.param(make_segment(routed_experts=routing(7)), "6 rows, expected 5", id="routing-rows"),
+        pytest.param(make_segment(routed_experts=routing(7)), "6 rows, expected 5", None, id="routing-rows"),
         pytest.param(
             make_segment(
                 routed_experts=np.zeros((5, LAYERS * TOP_K), np.uint8), routed_experts_shape=(5, 2, 2)
             ),
             "routed_experts has shape (5, 4), routed_experts_shape says (5, 2, 2)",
+            None,
             id="routing-2d",
         ),
         pytest.param(
             make_segment(routed_experts=np.zeros((5, LAYERS, TOP_K), np.float32)),
             "routed_experts has dtype <f4",
+            # Written as bytes with its dtype's name; the read refuses that name before the contract.
+            "routing 0 has dtype 'float32' and shape [5, 2, 2]",
             id="routing-float",
         ),
+        pytest.param(make_segment(turn_indices=[]), "segment 0: built from no turns", None, id="no-turns"),
+    ],
+)
+def test_segment_contract_violations(segment: Segment, message: str, table_message: str | None) -> None:
+    # Segments are checked where they enter a process: a table read back (or, when Arrow cannot even
+    # hold the segment, the write), and the proxy's trajectory.
+    with pytest.raises(TrajectoryError, match=re.escape(table_message or message)):
+        trials_from_table(trials_to_table([make_trial(segments=[segment])]))
+
+
+@pytest.mark.parametrize(
+    ("segment", "message"),
+    [
+        pytest.param(
+            make_segment(behavior_logprobs=[0.0]), "behavior_logprobs (1) must align", id="logprobs"
+        ),
+        pytest.param(make_segment(loss_mask=[0, 0, 1, 2, 0, 1]), "loss_mask holds values other", id="mask"),
+        pytest.param(make_segment(routed_experts=routing(7)), "6 rows, expected 5", id="routing-rows"),
         pytest.param(make_segment(turn_indices=[]), "segment 0: built from no turns", id="no-turns"),
     ],
 )
-def test_segment_contract_violations(segment: Segment, message: str) -> None:
+def test_a_trajectory_whose_segment_breaks_the_contract_is_refused(segment: Segment, message: str) -> None:
+    # Where the proxy's segments enter the run controller.
+    body = TrajectorySummary(run="run-a", trial="trial-1", state="ended", segments=[segment]).to_json()
     with pytest.raises(TrajectoryError, match=re.escape(message)):
-        trials_to_table([make_trial(segments=[segment])])
+        TrajectorySummary.from_json(body)
 
 
 def test_completed_trial_needs_a_reward() -> None:

@@ -116,10 +116,13 @@ class TrajectorySummary(ApiModel):
             segments = []
             for i, row in enumerate(rows):
                 try:
-                    segments.append(Segment.from_json(row))
+                    segment = Segment.from_json(row)
                 except (KeyError, TypeError, ValueError) as exc:
                     what = f"lacks {exc}" if isinstance(exc, KeyError) else str(exc)
                     raise TrajectoryError(f"the trajectory's segment {i} is malformed: {what}") from exc
+                # Where segments enter the run controller: checked here, once (`TrialRecord.check`).
+                segment.check()
+                segments.append(segment)
             data["segments"] = segments
         elif not isinstance(rows, int) or isinstance(rows, bool):
             raise TrajectoryError(f"the trajectory's segments are neither a list nor a count: {rows!r}")

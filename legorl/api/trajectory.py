@@ -569,12 +569,15 @@ class TrialRecord:
     """Turns the engine answered with parsed tool calls (finish reason `tool_calls`); 0 means the policy
     never called a tool the engine recognised; None: not known (no proxy trajectory, an older record)."""
 
-    def check(self) -> None:
-        """Raise TrajectoryError if the record breaks the contract."""
+    def check(self, *, segments: bool = True) -> None:
+        """Raise TrajectoryError if the record breaks the contract. `segments=False` leaves its segments
+        alone: they are checked once, where they enter a process (the proxy's assembly,
+        `TrajectorySummary.from_json`, `trials_from_table`), not again at every hand-over."""
         if self.termination_reason == TerminationReason.COMPLETED and self.reward is None:
             raise TrajectoryError(f"trial {self.trial}: completed without a reward")
-        for seg in self.segments:
-            seg.check()
+        if segments:
+            for seg in self.segments:
+                seg.check()
 
 
 # --- schema versions -------------------------------------------------------------------------------
@@ -821,9 +824,20 @@ def _segments_of(column: Any, version: int) -> list[list[Segment]]:
 
 
 def trials_to_table(trials: list[TrialRecord]) -> pa.Table:
-    """Trial records as an Arrow table (checked against the contract first)."""
+    """Trial records as an Arrow table. Each record is checked first, but not its segments, which were
+    checked where they came in (see `TrialRecord.check`); `trials_from_table` checks them on read. A
+    segment that breaks the contract so badly that Arrow refuses it is named by the contract's check."""
     for trial in trials:
-        trial.check()
+        trial.check(segments=False)
+    try:
+        return _trials_table(trials)
+    except (pa.ArrowException, ValueError, TypeError):
+        for trial in trials:
+            trial.check()
+        raise
+
+
+def _trials_table(trials: list[TrialRecord]) -> pa.Table:
     arrays: dict[str, Any] = {
         "termination_reason": pa.array([t.termination_reason.value for t in trials], pa.string()),
         "tamper_findings": pa.array(
@@ -847,11 +861,12 @@ def trials_to_table(trials: list[TrialRecord]) -> pa.Table:
 
 
 def trials_from_table(table: pa.Table) -> list[TrialRecord]:
-    """Trial records of a trial table of any readable schema version (version 1 converted on read)."""
+    """Trial records of a trial table of any readable schema version (version 1 converted on read),
+    checked against the contract, segments included: a table is data from outside this process."""
     version = check_schema(table, TRIAL_SCHEMA)
     rows = table.drop_columns(["segments"]).to_pylist()
     segments = _segments_of(table.column("segments"), version)
-    return [
+    records = [
         TrialRecord(
             run=row["run"],
             trial=row["trial"],
@@ -875,3 +890,6 @@ def trials_from_table(table: pa.Table) -> list[TrialRecord]:
         )
         for row, segs in zip(rows, segments, strict=True)
     ]
+    for record in records:
+        record.check()
+    return records

@@ -39,7 +39,7 @@ import torch
 
 from legorl.api.store import parse_policy_version
 from legorl.api.termination import TerminationReason
-from legorl.api.trajectory import TrajectoryError, TrialRecord
+from legorl.api.trajectory import TrialRecord
 from legorl.trainer.loss import AdvantageMode, group_advantages
 
 __all__ = [
@@ -284,8 +284,9 @@ def sequences_from_trials(
 ) -> list[TrainSequence]:
     """One TrainSequence per segment that has a trained token, in trial then segment order.
 
-    Segments are checked against the contract; a segment whose first token is marked as
-    sampled breaks it (token 0 has no context to be predicted from). Segments without a
+    Segments were checked against the contract where they entered this process (the store's read,
+    `trials_from_table`); a segment whose first token is marked as sampled is refused here (token 0
+    has no context to be predicted from). Segments without a
     sampled token are skipped: they would cost compute and add nothing to the loss.
     """
     seqs: list[TrainSequence] = []
@@ -297,10 +298,6 @@ def sequences_from_trials(
             raise DataError(f"trial {trial.trial} has advantage {advantage}")
         for seg in trial.segments:
             where = f"trial {trial.trial} segment {seg.index}"
-            try:
-                seg.check()
-            except TrajectoryError as exc:
-                raise DataError(f"trial {trial.trial}: {exc}") from exc
             if not any(seg.loss_mask):
                 continue
             if seg.loss_mask[0]:
