@@ -221,6 +221,27 @@ async def test_unknown_runs_trials_and_endpoints_are_404(api: httpx.AsyncClient)
 
 
 @pytest.mark.asyncio
+async def test_routing_answers_in_the_uis_own_terms(api: httpx.AsyncClient) -> None:
+    """The framework's router answers as the UI always has: JSON errors that name the fix, a trailing
+    slash served rather than redirected, static files uncached and GET only."""
+    assert _error(await api.get("/api/elsewhere"), 404) == "no such endpoint: /api/elsewhere"
+    assert _error(await api.post(f"/api/runs/{RUN}/curves"), 405) == "POST is not allowed here; use GET"
+    assert _error(await api.get(f"/api/runs/{RUN}/actions/pause"), 405) == "GET is not allowed here; use POST"
+    slash = await api.get("/api/runs/")
+    assert slash.status_code == 200 and [r["id"] for r in slash.json()["runs"]] == [RUN]
+    assert _error(await api.get("/static/nope.js"), 404) == "no static file 'nope.js'"
+    assert _error(await api.post("/static/js/main.js"), 405) == "static files are GET only"
+    page = await api.get("/")
+    assert page.headers["content-type"] == "text/html; charset=utf-8"
+    assert page.headers["cache-control"] == "no-store" and page.headers["x-frame-options"] == "DENY"
+    assert (await api.get("/index.html")).content == page.content
+    script = await api.get("/static/js/main.js")
+    assert script.headers["content-type"] == "text/javascript; charset=utf-8"
+    head = await api.head("/static/js/main.js")
+    assert head.status_code == 200 and head.content == b""
+
+
+@pytest.mark.asyncio
 async def test_trajectory_shows_tokens_masks_logprobs_and_tool_calls(api: httpx.AsyncClient) -> None:
     items = (await api.get(f"/api/runs/{RUN}/trials", params={"split": "train", "limit": 500})).json()[
         "items"

@@ -32,7 +32,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 import httpx
 from starlette.applications import Starlette
@@ -107,9 +107,8 @@ class Params:
     """Query parameters, checked: unknown names, repeats and malformed values are 400s."""
 
     def __init__(self, request: Request, allowed: tuple[str, ...]) -> None:
-        query: dict[str, list[str]] = {}
-        for name, value in request.query_params.multi_items():
-            query.setdefault(name, []).append(value)
+        raw: bytes = request.scope["query_string"]
+        query = parse_qs(raw.decode("latin-1"), keep_blank_values=True)
         for name, values in query.items():
             if name not in allowed:
                 known = ", ".join(allowed) if allowed else "none"
