@@ -53,6 +53,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from legorl.api.figures import EvalSummary, ScoringAnswer, StepFigures, TrainerState
 from legorl.api.trajectory import (
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
@@ -622,12 +623,18 @@ class RunStore:
         except (pa.ArrowInvalid, SchemaVersionError) as exc:
             raise StoreError(f"scoring request {request} is unreadable: {exc}") from exc
 
-    def answer_scoring(self, request: str, answer: Mapping[str, Any]) -> None:
+    def answer_scoring(self, request: str, answer: ScoringAnswer | Mapping[str, Any]) -> None:
         """The trainer's answer to `request` (its figures, or an `error`); written once."""
-        self.write_object(f"validation/score/{request}.json", _json_bytes(dict(answer)))
+        body = answer.to_json() if isinstance(answer, ScoringAnswer) else dict(answer)
+        self.write_object(f"validation/score/{request}.json", _json_bytes(body))
 
     def read_scoring_answer(self, request: str) -> dict[str, Any] | None:
         return self._get_json(f"validation/score/{request}.json")
+
+    def scoring_answer(self, request: str) -> ScoringAnswer | None:
+        """The trainer's answer to `request`, typed; None before it answered."""
+        answer = self.read_scoring_answer(request)
+        return ScoringAnswer.from_json(answer) if answer is not None else None
 
     # --- evaluations and the controller's progress ------------------------------------------------
     def write_eval(self, step: int, summary: Mapping[str, Any]) -> None:
@@ -639,6 +646,14 @@ class RunStore:
         paths = self._glob("evals/step-*.json")
         out = [json.loads(data) for data in self.fs.cat(paths, on_error="omit").values()] if paths else []
         return sorted(out, key=lambda r: int(r["step"]))
+
+    def write_eval_summary(self, summary: EvalSummary) -> None:
+        """The held-out evaluation of policy version `summary.step` (written once all its trials ended)."""
+        self.write_eval(summary.step, summary.to_json())
+
+    def eval_summaries(self) -> list[EvalSummary]:
+        """Every evaluation, typed, by step."""
+        return [EvalSummary.from_json(r) for r in self.read_evals()]
 
     def write_controller_state(self, state: Mapping[str, Any]) -> None:
         """Replace the run controller's progress snapshot (what status and the UI show)."""
@@ -682,6 +697,14 @@ class RunStore:
             records.append(obj)
         return sorted(records, key=lambda r: int(r["step"]))
 
+    def write_step_figures(self, figures: StepFigures) -> None:
+        """Write a step's figures (`StepFigures.to_json`), replacing a previous write."""
+        self.write_metrics(figures.step, figures.to_json())
+
+    def step_figures(self) -> list[StepFigures]:
+        """Every step's figures, typed, by step."""
+        return [StepFigures.from_json(r) for r in self.read_metrics()]
+
     def write_token_logprobs(self, step: int, rows: Mapping[tuple[str, int], Sequence[float | None]]) -> None:
         """The trainer's log-prob of every token it trained on in `step`, by (trial, segment index), aligned
         to the segment's tokens (None where a token was not trained on); replaces an earlier write."""
@@ -714,10 +737,16 @@ class RunStore:
             )
         }
 
-    def write_trainer_state(self, state: Mapping[str, Any]) -> None:
+    def write_trainer_state(self, state: TrainerState | Mapping[str, Any]) -> None:
         """Replace the trainer's resume pointer (last completed step, policy version, checkpoint)."""
-        self.write_object("trainer/state.json", _json_bytes(dict(state)))
+        body = state.to_json() if isinstance(state, TrainerState) else dict(state)
+        self.write_object("trainer/state.json", _json_bytes(body))
 
     def read_trainer_state(self) -> dict[str, Any] | None:
         """The trainer's resume pointer, or None before the trainer wrote one."""
         return self._get_json("trainer/state.json")
+
+    def trainer_state(self) -> TrainerState | None:
+        """The trainer's resume pointer, typed; None before the trainer wrote one."""
+        state = self.read_trainer_state()
+        return TrainerState.from_json(state) if state is not None else None

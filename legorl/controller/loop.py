@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
+from legorl.api.figures import EvalSummary, StepFigures
 from legorl.api.kinds import RLRun
 from legorl.api.store import RunStore, parse_policy_version, policy_version
 from legorl.api.termination import INFRA_REASONS, TerminationReason
@@ -75,10 +76,10 @@ class StoreTrainer:
         self._error = error
 
     def served_step(self) -> int:
-        state = self.store.read_trainer_state()
-        if not state:
+        state = self.store.trainer_state()
+        if state is None:
             return 0
-        return parse_policy_version(str(state.get("policy_version", "v0")))
+        return parse_policy_version(state.policy_version)
 
     def error(self) -> str | None:
         return self._error() if self._error is not None else None
@@ -335,7 +336,7 @@ class RunController:
         return bool(served % evaluation.interval_steps == 0)
 
     def _done_evals(self) -> set[int]:
-        return {int(e["step"]) for e in self.store.read_evals()}
+        return {e.step for e in self.store.eval_summaries()}
 
     def _plan_eval(self, version_step: int) -> None:
         requests = {r.trial: r for r in self.plan.eval_requests(version_step, policy_version(version_step))}
@@ -411,22 +412,23 @@ class RunController:
         per_task: dict[str, list[float]] = {}
         for r in scored:
             per_task.setdefault(r.task_id, []).append(float(r.reward or 0.0))
-        summary = {
-            "policy_version": policy_version(ev.step),
-            "trials": len(records),
-            "scored": len(scored),
-            "solved": solved,
-            "solve_rate": solved / len(scored) if scored else None,
-            "interval95": [low, high],
-            "infra_failures": len(records) - len(scored),
-            "by_reason": dict(Counter(r.termination_reason.value for r in records)),
-            "per_task": {k: sum(v) / len(v) for k, v in sorted(per_task.items())},
-        }
-        self.store.write_eval(ev.step, summary)
+        summary = EvalSummary(
+            step=ev.step,
+            policy_version=policy_version(ev.step),
+            trials=len(records),
+            scored=len(scored),
+            solved=solved,
+            solve_rate=solved / len(scored) if scored else None,
+            interval95=(low, high),
+            infra_failures=len(records) - len(scored),
+            by_reason=dict(Counter(r.termination_reason.value for r in records)),
+            per_task={k: sum(v) / len(v) for k, v in sorted(per_task.items())},
+        )
+        self.store.write_eval_summary(summary)
         log.info(
             "held-out solve rate of v%d: %s (95%% interval %.2f-%.2f, %d scored trials)",
             ev.step,
-            f"{summary['solve_rate']:.3f}" if scored else "n/a",
+            f"{summary.solve_rate:.3f}" if summary.solve_rate is not None else "n/a",
             low,
             high,
             len(scored),
@@ -512,38 +514,37 @@ class RunController:
         self._refresh_trainer_metrics()
 
     def _refresh_evals(self) -> None:
-        evals = self.store.read_evals()
+        evals = self.store.eval_summaries()
         if not evals:
             return
         first, last = evals[0], evals[-1]
-        if int(first["step"]) == 0:
-            self.progress.baseline_solve_rate = first.get("solve_rate")
-        self.progress.held_out_solve_rate = last.get("solve_rate")
-        interval = last.get("interval95")
-        self.progress.held_out_interval = (float(interval[0]), float(interval[1])) if interval else None
+        if first.step == 0:
+            self.progress.baseline_solve_rate = first.solve_rate
+        self.progress.held_out_solve_rate = last.solve_rate
+        self.progress.held_out_interval = last.interval95
 
     def _refresh_trainer_metrics(self) -> None:
-        metrics = self.store.read_metrics()
+        metrics = self.store.step_figures()
         if not metrics:
             return
         last = metrics[-1]
-        self.progress.fidelity_correlation = _number(last.get("fidelity_pearson"))
-        self.progress.max_abs_logprob_delta = _number(last.get("fidelity_max_abs_logprob_delta"))
-        self.progress.tokens_per_second = _number(last.get("tokens_per_second"))
+        self.progress.fidelity_correlation = _number(last.fidelity_pearson)
+        self.progress.max_abs_logprob_delta = _number(last.fidelity_max_abs_logprob_delta)
+        self.progress.tokens_per_second = _number(last.tokens_per_second)
         if not self._guard_paused:
             self._fidelity_guard(metrics)
 
-    def _fidelity_guard(self, metrics: list[dict[str, Any]]) -> None:
+    def _fidelity_guard(self, metrics: list[StepFigures]) -> None:
         """Count the newest consecutive steps below fidelity.minCorrelation (after the last pause); at
         `windowSteps` of them the run is Degraded (and `_run` pauses it when the action is Pause)."""
         guard = self.spec.fidelity
         floor = float(guard.min_correlation)
         below: list[tuple[int, float]] = []
         for figures in reversed(metrics):
-            step = int(figures.get("step") or 0)
+            step = figures.step
             if step <= self.progress.fidelity_guard_after:
                 break
-            value = _number(figures.get("fidelity_pearson"))
+            value = _number(figures.fidelity_pearson)
             if value is None:
                 continue  # a step with nothing trained says nothing about fidelity
             if value >= floor:

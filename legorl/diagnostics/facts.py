@@ -18,11 +18,13 @@ import posixpath
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from functools import cached_property
 from typing import Any, Final, Literal
 
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+from legorl.api.figures import EvalSummary, StepFigures
 from legorl.api.run import Algorithm, FidelityGuard, Schedule, StopConditions, TrainerSpec, TrajectoryFilter
 from legorl.api.store import RunStore, StoreError, parse_policy_version
 from legorl.api.termination import INFRA_REASONS
@@ -141,8 +143,14 @@ class StepFacts(_Facts):
     """When policy version `v<step>` (the step's result) was published; its weight sync follows."""
     trials: list[TrialFacts] = Field(default_factory=list)
 
+    @cached_property
+    def figures(self) -> StepFigures:
+        """The trainer's figures, typed (every figure None before the trainer trained the step)."""
+        return StepFigures.from_json({**self.metrics, "step": self.step})
+
     def metric(self, name: str) -> float | None:
-        """A numeric figure, None when absent, not a number or not finite."""
+        """A numeric figure by name (for figures a newer trainer added; the rules read `figures`), None
+        when absent, not a number or not finite."""
         value = self.metrics.get(name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return None
@@ -381,7 +389,7 @@ class RunFacts(_Facts):
         the trainer's to verify; diagnostics never reads the token arrays).
         """
         body = run if run is not None else store.read_run_spec()
-        metrics = {int(m["step"]): m for m in store.read_metrics()}
+        metrics = {m.step: m.to_json() for m in store.step_figures()}
         published = _published_times(store)
         steps = []
         committed = store.committed_steps()
@@ -415,7 +423,7 @@ class RunFacts(_Facts):
             now=now or datetime.now(UTC),
             spec=SpecFacts.from_run(body),
             steps=steps,
-            evals=[_eval(e) for e in store.read_evals()],
+            evals=[_eval(e) for e in store.eval_summaries()],
             pods=[PodFacts.from_object(p) for p in pods],
             events=[EventFacts.from_object(e) for e in events],
         )
@@ -478,16 +486,20 @@ def _published_times(store: RunStore) -> dict[int, datetime]:
     return out
 
 
-def _eval(record: Mapping[str, Any]) -> EvalFacts:
-    rate = record.get("solve_rate")
+def _eval(summary: EvalSummary) -> EvalFacts:
     return EvalFacts(
-        step=int(record["step"]),
-        solve_rate=float(rate) if isinstance(rate, (int, float)) else None,
-        trials=_int(record.get("trials"), 0) or 0,
-        scored=_int(record.get("scored"), 0) or 0,
-        infra_failures=_int(record.get("infra_failures"), 0) or 0,
-        by_reason={str(k): int(v) for k, v in _dict(record.get("by_reason")).items() if isinstance(v, int)},
+        step=summary.step,
+        solve_rate=summary.solve_rate,
+        trials=summary.trials,
+        scored=summary.scored,
+        infra_failures=summary.infra_failures,
+        by_reason=dict(summary.by_reason),
     )
+
+
+def finite(value: float | None) -> float | None:
+    """`value` when it is a finite number, else None (a figure NaN or absent says nothing)."""
+    return float(value) if value is not None and math.isfinite(value) else None
 
 
 def _scalars(metrics: Mapping[str, Any]) -> dict[str, float | int | str | None]:

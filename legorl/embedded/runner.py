@@ -208,13 +208,12 @@ def summary(store: RunStore, outcome: RunOutcome, wall_seconds: float) -> str:
         "trials by termination reason: "
         + (", ".join(f"{k} {v}" for k, v in sorted(p.by_reason.items())) or "none"),
     ]
-    metrics = {int(m["step"]): m for m in store.read_metrics()}
+    fidelity = {m.step: m.fidelity_pearson for m in store.step_figures()}
     rows = []
     for step in store.committed_steps():
         meta = store.batch_ref(step).meta
-        m = metrics.get(step, {})
         reward = meta.get("reward_mean")
-        fid = m.get("fidelity_pearson")
+        fid = fidelity.get(step)
         rows.append(
             f"  step {step:>3}: reward {reward if reward is None else f'{reward:.3f}'}, "
             f"{meta.get('kept', '?')}/{meta.get('trials', '?')} trials kept, "
@@ -223,16 +222,16 @@ def summary(store: RunStore, outcome: RunOutcome, wall_seconds: float) -> str:
         )
     if rows:
         lines += ["training steps:", *rows]
-    evals = store.read_evals()
+    evals = store.eval_summaries()
     if evals:
         lines.append("held-out evaluations (solve rate, 95% Wilson interval):")
         for e in evals:
-            rate = e.get("solve_rate")
-            low, high = e.get("interval95") or (0.0, 1.0)
+            rate = e.solve_rate
+            low, high = e.interval95 or (0.0, 1.0)
             lines.append(
-                f"  {policy_version(int(e['step'])):>4}: "
+                f"  {policy_version(e.step):>4}: "
                 f"{'-' if rate is None else f'{rate:.3f}'} [{low:.3f}, {high:.3f}] "
-                f"({e.get('solved')}/{e.get('scored')} scored trials)"
+                f"({e.solved}/{e.scored} scored trials)"
             )
     lines.append(f"run store: {store.uri}  (batches/, trials/, evals/, metrics/trainer/, weights/)")
     return "\n".join(lines)

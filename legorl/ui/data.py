@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from legorl.api.figures import EvalSummary, FiguresError, StepFigures, TrainerState
 from legorl.api.store import RunStore, StoreError, parse_policy_version
 from legorl.api.termination import INFRA_REASONS, TerminationReason
 from legorl.api.trajectory import TRIAL_SCHEMA, decode_routing
@@ -70,25 +71,7 @@ SUMMARY_COLUMNS: Final = [
 ]
 """The trial columns a list needs: everything but the segments (token arrays)."""
 
-CURVES: Final = [
-    # (metric key in metrics/trainer/step-N.json, label, group)
-    ("reward_mean", "Reward (trained-on trials)", "reward"),
-    ("entropy", "Entropy", "policy"),
-    ("kl_ref", "KL to reference", "policy"),
-    ("fidelity_kl", "KL rollout→training", "fidelity"),
-    ("clip_fraction", "Clip fraction", "policy"),
-    ("grad_norm", "Grad norm", "optimizer"),
-    ("loss", "Loss", "optimizer"),
-    ("fidelity_pearson", "Rollout-vs-training correlation", "fidelity"),
-    ("fidelity_mean_abs_logprob_delta", "Mean |Δ log-prob|", "fidelity"),
-    ("fidelity_max_abs_logprob_delta", "Max |Δ log-prob|", "fidelity"),
-    ("is_ess", "IS effective sample size", "fidelity"),
-    ("is_capped_share", "IS capped share", "fidelity"),
-    ("max_staleness_seen", "Staleness (max steps)", "throughput"),
-    ("tokens_per_second", "Tokens/s (trainer)", "throughput"),
-    ("step_seconds", "Step time (s)", "throughput"),
-    ("replayed_token_share", "Routing replayed share", "fidelity"),
-]
+CURVES: Final = StepFigures.curves()
 """Training curves the UI draws first, in this order; any other numeric metric follows."""
 
 _STEP_RE: Final = re.compile(r"step-([0-9]{6,})")
@@ -122,6 +105,20 @@ class TrialQuery:
 
 
 SORT_KEYS: Final = ("step", "trial", "task_id", "reward", "termination_reason", "num_turns", "duration")
+
+
+_Document = TypeVar("_Document", EvalSummary, StepFigures, TrainerState)
+
+
+def _decoded(kind: type[_Document], records: Iterable[Mapping[str, Any]]) -> list[_Document]:
+    """`records` decoded as `kind`; a malformed one is logged and left out (the UI shows what it can)."""
+    out = []
+    for record in records:
+        try:
+            out.append(kind.from_json(record))
+        except FiguresError as exc:
+            log.warning("%s", exc)
+    return out
 
 
 def _num(value: Any) -> float | None:
@@ -334,6 +331,14 @@ class StoreData:
                 out.append(record)
         return out
 
+    def eval_summaries(self) -> list[EvalSummary]:
+        """`evals`, typed; a malformed one is left out (and logged)."""
+        return _decoded(EvalSummary, self.evals())
+
+    def step_figures(self) -> list[StepFigures]:
+        """`metrics`, typed; a malformed one is left out (and logged)."""
+        return _decoded(StepFigures, self.metrics())
+
     def metrics(self) -> list[dict[str, Any]]:
         out = []
         for step in self._steps_of(self._list("metrics/trainer"), ".json"):
@@ -518,18 +523,18 @@ class StoreData:
         state = dict(self.controller_state() or {})
         committed = self.committed_steps()
         state.setdefault("step", committed[-1] if committed else 0)
-        trainer = self.trainer_state() or {}
-        state.setdefault("policy_version", trainer.get("policy_version", "v0"))
+        trainer = _decoded(TrainerState, [self.trainer_state() or {}])
+        state.setdefault("policy_version", trainer[0].policy_version if trainer else "v0")
         return state
 
     def summary(self) -> dict[str, Any]:
         """One row of the runs list."""
         spec = self.run_spec() or {}
         p = self.progress()
-        evals = self.evals()
-        last_eval = evals[-1] if evals else {}
-        metrics = self.metrics()
-        last = metrics[-1] if metrics else {}
+        evals = self.eval_summaries()
+        last_eval = evals[-1] if evals else None
+        metrics = self.step_figures()
+        last = metrics[-1] if metrics else None
         stop = (spec.get("spec") or {}).get("stop") or {}
         updated = self.updated_at()
         return {
@@ -539,10 +544,14 @@ class StoreData:
             "max_steps": p.get("max_steps") or stop.get("maxSteps"),
             "policy_version": p.get("policy_version"),
             "reward_mean": _num(p.get("reward_mean")),
-            "held_out": _num(last_eval.get("solve_rate") if last_eval else p.get("held_out_solve_rate")),
-            "held_out_interval": last_eval.get("interval95") or p.get("held_out_interval"),
+            "held_out": _num(last_eval.solve_rate if last_eval else p.get("held_out_solve_rate")),
+            "held_out_interval": (
+                list(last_eval.interval95)
+                if last_eval and last_eval.interval95
+                else p.get("held_out_interval")
+            ),
             "baseline": _num(p.get("baseline_solve_rate")),
-            "fidelity": _num(last.get("fidelity_pearson")) if last else _num(p.get("fidelity_correlation")),
+            "fidelity": _num(last.fidelity_pearson) if last else _num(p.get("fidelity_correlation")),
             "trials_per_minute": _num(p.get("trials_per_minute")),
             "trials_total": p.get("trials_total"),
             "trials_running": p.get("trials_running"),
@@ -658,17 +667,16 @@ class StoreData:
         if batch_reward:
             series["reward_mean"] = batch_reward
         held_out = []
-        for e in self.evals():
-            rate = _num(e.get("solve_rate"))
-            interval = e.get("interval95") or [None, None]
+        for e in self.eval_summaries():
+            low, high = e.interval95 or (None, None)
             held_out.append(
                 {
-                    "step": e.get("step"),
-                    "rate": rate,
-                    "low": _num(interval[0]),
-                    "high": _num(interval[1]),
-                    "scored": e.get("scored"),
-                    "policy_version": e.get("policy_version"),
+                    "step": e.step,
+                    "rate": _num(e.solve_rate),
+                    "low": _num(low),
+                    "high": _num(high),
+                    "scored": e.scored,
+                    "policy_version": e.policy_version,
                 }
             )
         known = [c[0] for c in CURVES]
@@ -726,8 +734,7 @@ class StoreData:
                 }
             )
         evals = [
-            {"step": e.get("step"), "by_reason": e.get("by_reason") or {}, "trials": e.get("trials")}
-            for e in self.evals()
+            {"step": e.step, "by_reason": e.by_reason, "trials": e.trials} for e in self.eval_summaries()
         ]
         return {
             "reasons": REASONS,

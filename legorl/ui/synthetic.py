@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
+from legorl.api.figures import EvalSummary, StepFigures
 from legorl.api.store import RunStore, policy_version
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import Segment, TamperFinding, TrialRecord, routing_array
@@ -173,7 +174,7 @@ def write_synthetic_store(
     held = [f"synthetic__held-{i:03d}" for i in range(held_out_tasks)]
     clock = datetime(2026, 11, 30, 8, 0, tzinfo=UTC)
     trials_total = 0
-    last_eval: dict[str, Any] = {}
+    last_eval: EvalSummary | None = None
     baseline = None
     for step in range(0, steps + 1):
         version = policy_version(max(step - 1, 0))
@@ -206,22 +207,19 @@ def write_synthetic_store(
             z = 1.96
             centre = (p + z * z / (2 * n)) / (1 + z * z / n)
             half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-            last_eval = {
-                "policy_version": policy_version(step),
-                "trials": len(records),
-                "scored": len(scored),
-                "solved": solved,
-                "solve_rate": rate,
-                "interval95": [max(0.0, centre - half), min(1.0, centre + half)],
-                "infra_failures": len(records) - len(scored),
-                "by_reason": {},
-                "per_task": {r.task_id: r.reward for r in scored},
-            }
-            for r in records:
-                last_eval["by_reason"][r.termination_reason.value] = (
-                    last_eval["by_reason"].get(r.termination_reason.value, 0) + 1
-                )
-            store.write_eval(step, last_eval)
+            last_eval = EvalSummary(
+                step=step,
+                policy_version=policy_version(step),
+                trials=len(records),
+                scored=len(scored),
+                solved=solved,
+                solve_rate=rate,
+                interval95=(max(0.0, centre - half), min(1.0, centre + half)),
+                infra_failures=len(records) - len(scored),
+                by_reason=dict(Counter(r.termination_reason.value for r in records)),
+                per_task={r.task_id: float(r.reward or 0.0) for r in scored},
+            )
+            store.write_eval_summary(last_eval)
             if step == 0:
                 baseline = rate
         if step == 0:
@@ -273,22 +271,22 @@ def write_synthetic_store(
                 "policy_versions_seen": [version],
             },
         )
-        store.write_metrics(
-            step,
-            {
-                "reward_mean": reward_mean,
-                "entropy": 0.6 * math.exp(-step / steps) + rng.uniform(0, 0.05),
-                "kl_ref": 0.001 * step + rng.uniform(0, 0.001),
-                "clip_fraction": rng.uniform(0, 0.05),
-                "grad_norm": rng.uniform(0.5, 1.5),
-                "loss": rng.uniform(-0.1, 0.1),
-                "fidelity_pearson": 0.999 - rng.uniform(0, 0.002),
-                "fidelity_mean_abs_logprob_delta": rng.uniform(0, 1e-3),
-                "fidelity_max_abs_logprob_delta": rng.uniform(0, 0.05),
-                "is_ess": 1 - rng.uniform(0, 0.02),
-                "max_staleness_seen": rng.choice([0, 0, 1]),
-                "tokens_per_second": rng.uniform(800, 1200),
-            },
+        store.write_step_figures(
+            StepFigures(
+                step=step,
+                reward_mean=reward_mean,
+                entropy=0.6 * math.exp(-step / steps) + rng.uniform(0, 0.05),
+                kl_ref=0.001 * step + rng.uniform(0, 0.001),
+                clip_fraction=rng.uniform(0, 0.05),
+                grad_norm=rng.uniform(0.5, 1.5),
+                loss=rng.uniform(-0.1, 0.1),
+                fidelity_pearson=0.999 - rng.uniform(0, 0.002),
+                fidelity_mean_abs_logprob_delta=rng.uniform(0, 1e-3),
+                fidelity_max_abs_logprob_delta=rng.uniform(0, 0.05),
+                is_ess=1 - rng.uniform(0, 0.02),
+                max_staleness_seen=rng.choice([0, 0, 1]),
+                tokens_per_second=rng.uniform(800, 1200),
+            )
         )
         trials_total += len(records)
     store.write_controller_state(
@@ -301,8 +299,8 @@ def write_synthetic_store(
             "trials_running": 0,
             "eval_trials": 0,
             "trials_dropped": 0,
-            "held_out_solve_rate": last_eval.get("solve_rate"),
-            "held_out_interval": last_eval.get("interval95"),
+            "held_out_solve_rate": last_eval.solve_rate if last_eval else None,
+            "held_out_interval": list(last_eval.interval95) if last_eval and last_eval.interval95 else None,
             "baseline_solve_rate": baseline,
             "trials_per_minute": 33.0,
             "message": f"trained {steps} steps (stop.maxSteps)",

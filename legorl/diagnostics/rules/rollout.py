@@ -7,7 +7,7 @@ from typing import Any, Final
 
 from legorl.api.termination import TerminationReason
 from legorl.diagnostics._util import common_errors, mentions, pct, ranked, steps_phrase
-from legorl.diagnostics.facts import RunFacts, StepFacts, TrialFacts
+from legorl.diagnostics.facts import RunFacts, StepFacts, TrialFacts, finite
 from legorl.diagnostics.finding import Finding, Severity, finding, rule
 
 MIN_BATCH_TRIALS: Final = 4
@@ -138,7 +138,7 @@ def engine_unavailable_during_sync(facts: RunFacts) -> Finding | None:
     for step in facts.steps:
         if step.published_at is None:
             continue
-        sync = step.metric("sync_seconds") or 0.0
+        sync = finite(step.figures.sync_seconds) or 0.0
         start = step.published_at - timedelta(seconds=SYNC_LEAD_SECONDS)
         end = step.published_at + timedelta(seconds=sync + SYNC_MARGIN_SECONDS)
         windows.append((step.step, start, end, sync))
@@ -222,13 +222,13 @@ def staleness_over_limit(facts: RunFacts) -> Finding | None:
             t for t in agent if t.oldest_version is not None and step.step - 1 - t.oldest_version > limit
         ]
         unknown = [t for t in agent if t.policy_versions and t.oldest_version is None]
-        seen = step.metric("max_staleness_seen")
+        seen = finite(step.figures.max_staleness_seen)
         worst = max((step.step - 1 - (t.oldest_version or 0) for t in stale), default=None)
         if seen is not None and seen > limit:
             worst = max(worst or 0, int(seen))
         if not stale and not unknown and worst is None:
             continue
-        dropped = step.metric("dropped_stale")
+        dropped = finite(step.figures.dropped_stale)
         rows.append(
             {
                 "step": step.step,
@@ -240,7 +240,7 @@ def staleness_over_limit(facts: RunFacts) -> Finding | None:
             }
         )
         examples += [t.trial for t in stale + unknown]
-        total = step.metric("trials_total") or len(agent)
+        total = finite(step.figures.trials_total) or len(agent)
         lost = max(len(stale) + len(unknown), int(dropped or 0))
         critical = critical or (total > 0 and lost / total >= STALE_CRITICAL_SHARE)
     if not rows:

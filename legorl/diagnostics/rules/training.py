@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
+from legorl.api.figures import StepFigures
 from legorl.diagnostics._util import median, ranked, runs, steps_phrase
-from legorl.diagnostics.facts import RunFacts, StepFacts
+from legorl.diagnostics.facts import RunFacts, StepFacts, finite
 from legorl.diagnostics.finding import Finding, finding, rule
 
 ESS_WARNING: Final = 0.5
@@ -27,8 +29,9 @@ ENTROPY_DROP: Final = 0.2
 """The latest entropy below this fraction of the first steps' median is a collapse."""
 
 
-def _series(facts: RunFacts, name: str) -> list[tuple[StepFacts, float]]:
-    return [(s, v) for s in facts.steps if (v := s.metric(name)) is not None]
+def _series(facts: RunFacts, figure: Callable[[StepFigures], float | None]) -> list[tuple[StepFacts, float]]:
+    """The steps with a finite `figure`, with it."""
+    return [(s, v) for s in facts.steps if (v := finite(figure(s.figures))) is not None]
 
 
 @rule("fidelity-below-threshold", "Rollout/training fidelity below the threshold")
@@ -39,7 +42,7 @@ def fidelity_below_threshold(facts: RunFacts) -> Finding | None:
     warning for shorter dips. Causes are ranked with `replayed_token_share`, the trainer's and the
     fleet's dtype, and whether the first steps were fine."""
     spec = facts.spec
-    series = _series(facts, "fidelity_pearson")
+    series = _series(facts, lambda f: f.fidelity_pearson)
     below = {s.step for s, v in series if v < spec.min_correlation}
     if not below:
         return None
@@ -50,7 +53,7 @@ def fidelity_below_threshold(facts: RunFacts) -> Finding | None:
     worst_step, worst = min(bad, key=lambda item: item[1])
     first_bad = min(below)
     fine_before = [s.step for s, _ in series if s.step < first_bad]
-    replayed = [v for s, _ in bad if (v := s.metric("replayed_token_share")) is not None]
+    replayed = [v for s, _ in bad if (v := finite(s.figures.replayed_token_share)) is not None]
     replay_share = sum(replayed) / len(replayed) if replayed else None
     replay_off = spec.routing_replay == "Disabled" or spec.routed_experts_capture == "Disabled"
     dtype_differs = spec.fleet_dtype not in (None, "auto") and spec.fleet_dtype != spec.trainer_dtype
@@ -125,9 +128,9 @@ def fidelity_below_threshold(facts: RunFacts) -> Finding | None:
                 {
                     "step": s.step,
                     "pearson": v,
-                    "replayed_token_share": s.metric("replayed_token_share"),
-                    "max_abs_logprob_delta": s.metric("fidelity_max_abs_logprob_delta"),
-                    "kl": s.metric("fidelity_kl"),
+                    "replayed_token_share": finite(s.figures.replayed_token_share),
+                    "max_abs_logprob_delta": finite(s.figures.fidelity_max_abs_logprob_delta),
+                    "kl": finite(s.figures.fidelity_kl),
                 }
                 for s, v in bad
             ],
@@ -147,16 +150,16 @@ def is_ess_collapse(facts: RunFacts) -> Finding | None:
     """The trainer's `is_ess` — effective sample size of the token importance weights as a fraction of
     the tokens, (Σw)²/(N·Σw²) — below 0.5 in a step (warning) or below 0.2 (critical): a few tokens
     carry the gradient because rollout and training probabilities disagree."""
-    series = _series(facts, "is_ess")
+    series = _series(facts, lambda f: f.is_ess)
     low = [(s, v) for s, v in series if v < ESS_WARNING]
     if not low:
         return None
     worst_step, worst = min(low, key=lambda item: item[1])
     spec = facts.spec
     fidelity_bad = any(
-        (p := s.metric("fidelity_pearson")) is not None and p < spec.min_correlation for s, _ in low
+        (p := finite(s.figures.fidelity_pearson)) is not None and p < spec.min_correlation for s, _ in low
     )
-    stale = max((s.metric("max_staleness_seen") or 0.0 for s, _ in low), default=0.0)
+    stale = max((finite(s.figures.max_staleness_seen) or 0.0 for s, _ in low), default=0.0)
     causes = ranked(
         [
             (
@@ -197,9 +200,9 @@ def is_ess_collapse(facts: RunFacts) -> Finding | None:
                 {
                     "step": s.step,
                     "is_ess": v,
-                    "is_capped_share": s.metric("is_capped_share"),
-                    "fidelity_pearson": s.metric("fidelity_pearson"),
-                    "max_staleness_seen": s.metric("max_staleness_seen"),
+                    "is_capped_share": finite(s.figures.is_capped_share),
+                    "fidelity_pearson": finite(s.figures.fidelity_pearson),
+                    "max_staleness_seen": finite(s.figures.max_staleness_seen),
                 }
                 for s, v in low
             ],
@@ -304,7 +307,7 @@ def equal_reward_groups(facts: RunFacts) -> Finding | None:
 def updates_skipped(facts: RunFacts) -> Finding | None:
     """Steps whose trainer figures carry `skipped` (a non-finite gradient norm, or nothing left to
     train on after filtering). Critical when the latest trained step was skipped or ≥ 3 were."""
-    series = [(s, s.metrics["skipped"]) for s in facts.steps if isinstance(s.metrics.get("skipped"), str)]
+    series = [(s, s.figures.skipped) for s in facts.steps if s.figures.skipped is not None]
     if not series:
         return None
     trained = [s for s in facts.steps if s.metrics]
@@ -347,7 +350,7 @@ def updates_skipped(facts: RunFacts) -> Finding | None:
 def entropy_collapse(facts: RunFacts) -> Finding | None:
     """The trainer's `entropy` in the latest step below 20% of the median of the first three steps
     (with ≥ 4 steps recorded): the policy has become nearly deterministic."""
-    series = _series(facts, "entropy")
+    series = _series(facts, lambda f: f.entropy)
     if len(series) < ENTROPY_MIN_STEPS:
         return None
     baseline = median([v for _, v in series[:ENTROPY_BASELINE_STEPS]])

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from legorl.api.figures import ScoringAnswer, StepFigures, TrainerState
 from legorl.api.store import RunStore, StoreError, parse_policy_version, policy_version
 from legorl.api.weights import PublishedWeights
 from legorl.trainer import parallel
@@ -45,7 +46,7 @@ class StepOutcome:
 
     step: int
     version: str
-    figures: dict[str, Any]
+    figures: StepFigures
     published: PublishedWeights | None = None
     sync_seconds: float | None = None
     checkpoint: str | None = None
@@ -119,7 +120,7 @@ class TrainingService:
             (
                 set(self.store.published_versions()),
                 set(self.store.committed_steps()),
-                {int(m["step"]) for m in self.store.read_metrics()},
+                {m.step for m in self.store.step_figures()},
             )
             if self.writer
             else None
@@ -132,13 +133,15 @@ class TrainingService:
                 break
             if self.writer:
                 log.info("re-training step %d from its committed batch (published before the restart)", step)
-            figures = self.trainer.train_step(self.store.read_batch(step).trials, step=step)
-            figures["retrained_on_resume"] = 1
+            figures = StepFigures.from_json(
+                self.trainer.train_step(self.store.read_batch(step).trials, step=step)
+            )
+            figures.retrained_on_resume = 1
             # A crash between publishing and recording the step left no figures and a stale pointer; figures
             # that were recorded stay (they describe the step as it was published and synced).
             if self.writer:
                 if step not in recorded:
-                    self.store.write_metrics(step, _flat(figures))
+                    self.store.write_step_figures(figures)
                 self._write_state(step, None)
         self._catch_up_fleet()
 
@@ -201,7 +204,7 @@ class TrainingService:
         if step != self.trainer.step + 1:
             raise ValueError(f"step {step} out of order: the trainer is at step {self.trainer.step}")
         batch = self.store.read_batch(step)
-        figures = self.trainer.train_step(batch.trials, step=step)
+        figures = StepFigures.from_json(self.trainer.train_step(batch.trials, step=step))
         if self.writer and self.trainer.token_logprobs:
             # Per-token training log-probs for the UI's trajectory viewer (rollout vs. training).
             self.store.write_token_logprobs(step, self.trainer.token_logprobs)
@@ -221,33 +224,31 @@ class TrainingService:
             outcome.published = dataclasses.replace(recorded, path=published.path)
             if self.sync is not None:
                 outcome.sync_seconds = self._sync_with_retries(outcome.published)
-                figures["sync_seconds"] = outcome.sync_seconds
+                figures.sync_seconds = outcome.sync_seconds
         if self.nccl is not None:
             report = self.nccl.sync(version)
             if report is not None:
                 outcome.sync_seconds = report.seconds
-                figures.update(
-                    sync_seconds=report.seconds,
-                    sync_transfer_seconds=report.transfer_seconds,
-                    sync_bytes=report.bytes,
-                    sync_bytes_per_second=report.bytes_per_second,
-                )
+                figures.sync_seconds = report.seconds
+                figures.sync_transfer_seconds = report.transfer_seconds
+                figures.sync_bytes = report.bytes
+                figures.sync_bytes_per_second = report.bytes_per_second
         if step % self.settings.checkpoint_interval == 0 or step == self.settings.max_steps:
             info = save_checkpoint(self.checkpoints, step, self.trainer, keep=self.settings.checkpoint_keep)
             outcome.checkpoint = info.uri
-            figures["checkpoint"] = info.uri
+            figures.checkpoint = info.uri
         if self.writer:
-            self.store.write_metrics(step, _flat(figures))
+            self.store.write_step_figures(figures)
             self._write_state(step, outcome.checkpoint)
             if self.telemetry is not None:
                 self.telemetry.record(step, figures)
             log.info(
                 "step %d: reward %.3f, loss %.4g, fidelity %.5f, %s",
                 step,
-                figures.get("reward_mean", float("nan")),
-                figures.get("loss", float("nan")),
-                figures.get("fidelity_pearson", float("nan")),
-                figures.get("skipped", "updated"),
+                _or_nan(figures.reward_mean),
+                _or_nan(figures.loss),
+                _or_nan(figures.fidelity_pearson),
+                figures.skipped or "updated",
             )
         # The fleet serves the new version (or the step failed on the writer) before anyone goes on.
         parallel.broadcast(None)
@@ -256,12 +257,12 @@ class TrainingService:
     def _write_state(self, step: int, checkpoint: str | None) -> None:
         latest = self.checkpoints.latest()
         self.store.write_trainer_state(
-            {
-                "step": step,
-                "policy_version": policy_version(step),
-                "checkpoint": checkpoint or (latest.uri if latest else None),
-                "updated": time.time(),
-            }
+            TrainerState(
+                step=step,
+                policy_version=policy_version(step),
+                checkpoint=checkpoint or (latest.uri if latest else None),
+                updated=time.time(),
+            )
         )
 
     def _publish(self, version: str) -> PublishedWeights | None:
@@ -344,20 +345,25 @@ class TrainingService:
         answered = []
         for request in pending:
             version = policy_version(self.trainer.step)
-            answer: dict[str, Any] = {"policy_version": version}
+            answer = ScoringAnswer(policy_version=version)
             started = time.perf_counter()
             try:
                 records = self.store.read_scoring_request(request)
                 figures = self.trainer.score_trials(records).fidelity()
-                answer.update({k: (v if math.isfinite(v) else None) for k, v in figures.items()})
+                answer = ScoringAnswer.from_json(
+                    {
+                        "policy_version": version,
+                        **{k: (v if math.isfinite(v) else None) for k, v in figures.items()},
+                    }
+                )
             except Exception as exc:
                 if self.writer:
                     log.exception("scoring request %s failed", request)
-                answer["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-            answer["seconds"] = round(time.perf_counter() - started, 3)
+                answer.error = f"{type(exc).__name__}: {exc}"[:2000]
+            answer.seconds = round(time.perf_counter() - started, 3)
             if self.writer:
                 self.store.answer_scoring(request, answer)
-                log.info("answered scoring request %s with %s: %s", request, version, answer)
+                log.info("answered scoring request %s with %s: %s", request, version, answer.to_json())
             answered.append(request)
         return answered
 
@@ -370,13 +376,5 @@ def _step_of(version: str) -> int | None:
         return None
 
 
-def _flat(figures: dict[str, Any]) -> dict[str, Any]:
-    """Figures as JSON scalars: nested counts become `dropped_by_reason.<reason>` keys."""
-    flat: dict[str, Any] = {}
-    for key, value in figures.items():
-        if isinstance(value, dict):
-            for sub, v in value.items():
-                flat[f"{key}.{sub}"] = v
-        else:
-            flat[key] = value
-    return flat
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value

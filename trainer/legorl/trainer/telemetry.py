@@ -17,31 +17,13 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.metrics import _Gauge as Gauge  # public since 1.23 under this name only
 
+from legorl.api.figures import StepFigures
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-STEP_FIGURES: dict[str, str] = {
-    "loss": "Policy loss of the step.",
-    "reward_mean": "Mean reward of the trials trained on.",
-    "fidelity_pearson": "Pearson correlation of rollout vs. training token probabilities.",
-    "fidelity_mean_abs_logprob_delta": "Mean |rollout − training| log-probability.",
-    "fidelity_max_abs_logprob_delta": "Largest |rollout − training| log-probability.",
-    "fidelity_kl": "KL estimate (k3) from the behaviour to the training distribution.",
-    "replayed_token_share": "Share of loss tokens whose expert routing was replayed from the rollout.",
-    "is_ess": "Effective sample size of the importance weights, as a fraction of the tokens.",
-    "is_capped_share": "Share of tokens whose importance weight hit the cap.",
-    "clip_fraction": "Share of tokens whose ratio was clipped.",
-    "grad_norm": "Gradient norm before clipping.",
-    "entropy": "Mean token entropy of the training distribution.",
-    "kl_ref": "KL to the reference policy (when klCoef > 0).",
-    "tokens_per_second": "Tokens through forward and backward per second.",
-    "step_seconds": "Wall time of the step.",
-    "trials_kept": "Trials that entered the loss.",
-    "trials_dropped": "Trials dropped by the filter (reason or staleness).",
-    "zero_variance_groups": "Groups dropped because every trial got the same reward.",
-    "learning_rate": "Learning rate used for the step.",
-    "sync_seconds": "Wall time of loading the step's weights into the fleet (absent without a fleet).",
-}
+STEP_FIGURES: dict[str, str] = StepFigures.gauges()
+"""The figures exported as gauges, with their help texts (declared once, on `StepFigures`)."""
 PROMETHEUS_PREFIX = "legorl_trainer_"
 """`legorl_trainer_<figure>` for each of `STEP_FIGURES`, plus `legorl_trainer_step` and
 `legorl_trainer_steps_total`."""
@@ -80,14 +62,14 @@ class TrainerTelemetry:
                 registry=registry,
             ).labels(run=run)
 
-    def record(self, step: int, figures: Mapping[str, object]) -> None:
+    def record(self, step: int, figures: StepFigures | Mapping[str, object]) -> None:
         """Set every known, finite figure of `step` (NaN and missing ones are left as they were)."""
         self._step.set(step, self._attributes)
         if self._prometheus:
             self._prometheus["step"].labels(run=self._run).set(step)
             self._steps.inc()
         for name, gauge in self._gauges.items():
-            value = figures.get(name)
+            value = getattr(figures, name) if isinstance(figures, StepFigures) else figures.get(name)
             if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 gauge.set(float(value), self._attributes)
                 if self._prometheus:

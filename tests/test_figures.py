@@ -1,0 +1,98 @@
+"""The run-progress documents (`legorl.api.figures`): one encoder and one decoder, compatible with what
+earlier writers put in a run store."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from legorl.api.figures import EvalSummary, FiguresError, ScoringAnswer, StepFigures, TrainerState
+from legorl.api.store import RunStore
+
+
+def test_step_figures_round_trip_through_the_store(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path))
+    figures = StepFigures(
+        step=3,
+        loss=0.25,
+        fidelity_pearson=0.999,
+        entropy=math.nan,
+        kl_ref=None,
+        dropped_by_reason={"infra_error": 2},
+        skipped=None,
+    )
+    store.write_step_figures(figures)
+    on_disk = json.loads((tmp_path / "metrics/trainer/step-000003.json").read_text())
+    # Only the figures that were set, flat, NaN as null (as the trainer always wrote them).
+    assert on_disk == {
+        "step": 3,
+        "loss": 0.25,
+        "fidelity_pearson": 0.999,
+        "entropy": None,
+        "kl_ref": None,
+        "dropped_by_reason.infra_error": 2,
+        "skipped": None,
+    }
+    (back,) = store.step_figures()
+    assert back.fidelity_pearson == 0.999 and back.dropped_by_reason == {"infra_error": 2}
+    assert back.entropy is None and back.grad_norm is None
+    assert back.to_json() == on_disk
+
+
+def test_step_figures_keep_what_a_newer_trainer_added(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path))
+    store.write_metrics(1, {"loss": 0.5, "new_figure": 7})  # as an older or newer writer left it
+    (figures,) = store.step_figures()
+    assert figures.loss == 0.5 and figures.number("new_figure") == 7.0
+    assert figures.to_json() == {"step": 1, "loss": 0.5, "new_figure": 7}
+
+
+def test_malformed_documents_name_the_bad_field() -> None:
+    with pytest.raises(FiguresError, match=r"StepFigures is malformed: fidelity_pearson"):
+        StepFigures.from_json({"step": 1, "fidelity_pearson": "high"})
+    with pytest.raises(FiguresError, match=r"EvalSummary is malformed: interval95"):
+        EvalSummary.from_json({"step": 1, "interval95": [0.1]})
+    with pytest.raises(FiguresError, match=r"TrainerState is malformed: step"):
+        TrainerState.from_json({"step": "three"})
+    with pytest.raises(FiguresError, match=r"must be a JSON object"):
+        ScoringAnswer.from_json([1, 2])  # type: ignore[arg-type]
+
+
+def test_a_store_written_before_the_types_still_reads(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path))
+    old_eval = {
+        "policy_version": "v2",
+        "trials": 4,
+        "scored": 3,
+        "solved": 1,
+        "solve_rate": 1 / 3,
+        "interval95": [0.06, 0.79],
+        "infra_failures": 1,
+        "by_reason": {"completed": 3, "sandbox_error": 1},
+        "per_task": {"t1": 0.5},
+    }
+    store.write_eval(2, old_eval)
+    (summary,) = store.eval_summaries()
+    assert summary.step == 2 and summary.interval95 == (0.06, 0.79) and summary.solved == 1
+    assert summary.to_json() == {"step": 2, **old_eval}
+    state = {"step": 2, "policy_version": "v2", "checkpoint": None, "updated": 1.5}
+    store.write_trainer_state(state)
+    typed = store.trainer_state()
+    assert typed == TrainerState(**state)
+    store.write_trainer_state(typed)
+    assert store.read_trainer_state() == state
+    store.answer_scoring("c1", {"policy_version": "v2", "error": "boom", "seconds": 0.1})
+    answer = store.scoring_answer("c1")
+    assert answer is not None and answer.error == "boom" and answer.pearson is None
+
+
+def test_gauges_and_curves_come_from_the_fields() -> None:
+    gauges = StepFigures.gauges()
+    assert gauges["fidelity_pearson"] == "Pearson correlation of rollout vs. training token probabilities."
+    assert "checkpoint" not in gauges and "step" not in gauges
+    curves = StepFigures.curves()
+    assert curves[0] == ("reward_mean", "Reward (trained-on trials)", "reward")
+    assert {name for name, _, _ in curves} <= set(StepFigures.model_fields)
