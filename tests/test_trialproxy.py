@@ -15,7 +15,7 @@ from legorl.api.kinds import RLRun
 from legorl.api.termination import TerminationReason
 from legorl.proxy.main import add_arguments, settings_from_args
 from legorl.proxy.settings import ProxySettings
-from legorl.trialproxy.client import ProxyClient, ProxyError
+from legorl.trialproxy.client import ProxyCallError, ProxyClient
 from legorl.trialproxy.command import ProxyTrial, proxy_command
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,7 +124,7 @@ def test_a_proxy_that_answers_nothing_useful_is_a_clear_proxy_error(
         calls += 1
         return answer
 
-    with pytest.raises(ProxyError, match=message):
+    with pytest.raises(ProxyCallError, match=message):
         client_of(handler, attempts=2).trajectory()
     assert calls == (2 if answer.status_code >= 500 else 1)  # only a 5xx is worth another try
 

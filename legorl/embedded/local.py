@@ -47,7 +47,7 @@ from legorl.embedded.engine import die_with_parent
 from legorl.sandbox.local import LocalBackend
 from legorl.sandbox.task import Task, TaskSet
 from legorl.sandbox.trial import TrialOutcome, discard_trial_folder, run_local_trial
-from legorl.trialproxy.client import ProxyClient, ProxyError
+from legorl.trialproxy.client import ProxyCallError, ProxyClient
 from legorl.trialproxy.command import ProxyTrial, proxy_command
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class LocalTrialBackend:
                     detail = f"harness exit code {code}" if reason is R.AGENT_ERROR else None
                     try:
                         client.finish(reason, code, detail)
-                    except ProxyError as exc:
+                    except ProxyCallError as exc:
                         # As in the Kubernetes backend: a proxy that cannot end the trial leaves no
                         # trajectory to trust (`proxy_error`); verify still runs, the record says why.
                         log.warning("trial %s: %s", request.trial, exc)
@@ -268,7 +268,7 @@ class LocalTrialBackend:
                 if problem is None and R(outcome.termination_reason) not in _NO_TRAJECTORY:
                     try:
                         trajectory = client.trajectory()
-                    except ProxyError as exc:
+                    except ProxyCallError as exc:
                         log.warning("trial %s: %s", request.trial, exc)
                         problem = str(exc)
         finally:

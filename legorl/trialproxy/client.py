@@ -1,8 +1,8 @@
 """`ProxyClient`: what a trial backend asks a trial's proxy: `/finish`, `/changes`, `/trajectory`, `/metrics`.
 
 Calls that cannot connect or get a 5xx are tried again with backoff; a 4xx, an answer that is not a JSON
-object, or a trajectory that breaks the contract (`legorl.api.summary`) is a `ProxyError` at once, with
-what went wrong in its message. The backends turn a `ProxyError` into the trial's record (no trajectory:
+object, or a trajectory that breaks the contract (`legorl.api.summary`) is a `ProxyCallError` at once, with
+what went wrong in its message. The backends turn a `ProxyCallError` into the trial's record (no trajectory:
 `proxy_error`), never into a crash.
 """
 
@@ -19,12 +19,12 @@ from legorl.api.summary import TrajectorySummary
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import TrajectoryError
 
-__all__ = ["ProxyClient", "ProxyError"]
+__all__ = ["ProxyCallError", "ProxyClient"]
 
 log = logging.getLogger(__name__)
 
 
-class ProxyError(Exception):
+class ProxyCallError(Exception):
     """A trial's proxy did not answer usefully: unreachable, refused the call, or answered nonsense."""
 
 
@@ -77,7 +77,7 @@ class ProxyClient:
         try:
             return TrajectorySummary.from_json(data)
         except TrajectoryError as exc:
-            raise ProxyError(f"the proxy's {path} breaks the trajectory contract: {exc}") from exc
+            raise ProxyCallError(f"the proxy's {path} breaks the trajectory contract: {exc}") from exc
 
     def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         url = f"{self.base_url}{path}"
@@ -94,14 +94,14 @@ class ProxyClient:
                 problem = f"HTTP {response.status_code}: {response.text[:300]}"
                 continue
             if response.status_code >= 400:
-                raise ProxyError(
+                raise ProxyCallError(
                     f"the proxy refused {method} {path}: HTTP {response.status_code}: {response.text[:300]}"
                 )
             try:
                 data = response.json()
             except ValueError as exc:
-                raise ProxyError(f"the proxy's {path} is not JSON: {exc}") from exc
+                raise ProxyCallError(f"the proxy's {path} is not JSON: {exc}") from exc
             if not isinstance(data, dict):
-                raise ProxyError(f"the proxy's {path} is not a JSON object")
+                raise ProxyCallError(f"the proxy's {path} is not a JSON object")
             return data
-        raise ProxyError(f"the proxy did not answer {method} {path} ({problem})")
+        raise ProxyCallError(f"the proxy did not answer {method} {path} ({problem})")

@@ -61,6 +61,7 @@ from legorl.api.labels import (
 )
 from legorl.api.summary import TrajectorySummary
 from legorl.api.termination import TerminationReason
+from legorl.api.timestamps import parse_time
 from legorl.api.trajectory import TrajectoryError, TrialRecord
 from legorl.controller.backend import BackendError, TrialRequest
 from legorl.controller.canary import CANARY_TRIAL_PREFIX
@@ -75,9 +76,9 @@ from legorl.operator.render.trial import (
     trial_objects,
     verify_objects,
 )
-from legorl.operator.status.trial import AgentEnd, VerifyResult, agent_end, parse_time, verify_result
+from legorl.operator.status.trial import AgentEnd, VerifyResult, agent_end, verify_result
 from legorl.sandbox.task import Task, TaskSet
-from legorl.trialproxy.client import ProxyClient, ProxyError
+from legorl.trialproxy.client import ProxyCallError, ProxyClient
 
 log = logging.getLogger("legorl.operator.trials")
 
@@ -473,7 +474,7 @@ class KubeTrialBackend:
             proxy = self._client(pod)
             proxy.finish(TerminationReason(end.reason), end.exit_code, end.detail)
             changes = proxy.changes()
-        except ProxyError as exc:
+        except ProxyCallError as exc:
             return self._finish(trial, end.reason, f"{end.detail}; {exc}", stage_seconds=end.stage_seconds)
         outcome = {
             "reason": end.reason,
@@ -621,7 +622,7 @@ class KubeTrialBackend:
         """The trial's proxy, dialled directly at the pod's IP."""
         ip = (pod.get("status") or {}).get("podIP")
         if not ip:
-            raise ProxyError("the trial pod has no IP: its proxy cannot be reached")
+            raise ProxyCallError("the trial pod has no IP: its proxy cannot be reached")
         host = f"[{ip}]" if ":" in ip else ip
         return ProxyClient(
             self._http, f"http://{host}:{self.settings.proxy_port}", attempts=self.settings.proxy_attempts
@@ -635,7 +636,7 @@ class KubeTrialBackend:
         try:
             proxy = self._client(pod)
             trajectory = proxy.trajectory()
-        except ProxyError as exc:
+        except ProxyCallError as exc:
             log.warning("trial %s: %s", trial.request.trial, exc)
             trial.proxy_problem = str(exc)
             return None

@@ -12,6 +12,7 @@ import binascii
 import io
 import json
 import logging
+from collections import Counter
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -292,17 +293,10 @@ class Trial:
             merged_turn_share=assembly.merged_turn_share,
             errors=dict(self.errors),
             journal_dropped_bytes=self.journal.recovered.dropped_bytes,
-            finish_reasons=_count(t.finish_reason for t in self.turns),
+            finish_reasons=dict(Counter(t.finish_reason for t in self.turns)),
             segments=list(assembly.segments) if tokens else len(assembly.segments),
         )
 
     def trajectory(self, *, tokens: bool = True) -> dict[str, Any]:
         """`GET /trajectory`'s body: `summary` on the wire (`TrajectorySummary.to_json`)."""
         return self.summary(tokens=tokens).to_json()
-
-
-def _count(values: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for value in values:
-        out[value] = out.get(value, 0) + 1
-    return out

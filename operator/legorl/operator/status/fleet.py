@@ -12,6 +12,7 @@ from legorl.api.conditions import rfc3339
 from legorl.api.fleet import FleetEndpoint, RolloutFleetStatus
 from legorl.api.kinds import RolloutFleet
 from legorl.api.labels import REPLICA_LABEL
+from legorl.api.timestamps import parse_time
 from legorl.operator.observe import Observed, PodView
 from legorl.operator.render.common import selector_string
 from legorl.operator.render.fleet import LWS_WORKER_INDEX, STS_POD_INDEX, engine_name, engine_selector
@@ -149,8 +150,10 @@ def _set_degraded(
     problems = [pp for p in pods if (pp := pod_problem(p)) is not None]
     skew_too_long = False
     if len(reps.versions) > 1 and skew_since is not None:
-        since = datetime.fromisoformat(skew_since.replace("Z", "+00:00"))
-        skew_too_long = (now - since).total_seconds() > fleet.spec.weight_sync.timeout_seconds
+        since = parse_time(skew_since)
+        skew_too_long = (
+            since is not None and (now - since).total_seconds() > fleet.spec.weight_sync.timeout_seconds
+        )
     kinds = {kind for kind, _ in problems}
     if "pull" in kinds:
         conds.set(T.DEGRADED, "True", R.IMAGE_PULL_FAILED, _first(problems, "pull"))

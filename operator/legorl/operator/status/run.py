@@ -23,6 +23,7 @@ from legorl.api.run import (
     ValidationStatus,
 )
 from legorl.api.termination import INFRA_REASONS, TerminationReason
+from legorl.api.timestamps import parse_time
 from legorl.manifests.problems import Problem
 from legorl.operator.observe import ChildView, Observed
 from legorl.operator.status.common import ConditionSet, listing
@@ -79,15 +80,12 @@ def is_terminal(conditions: Sequence[Condition]) -> bool:
     )
 
 
-def _parse(ts: str) -> datetime:
-    return datetime.fromisoformat(ts.replace("Z", "+00:00"))
-
-
 def deadline(run: RLRun) -> datetime | None:
     """When spec.activeDeadlineSeconds runs out (counted from status.startTime), if set."""
     start = run.status.start_time if run.status else None
     limit = run.spec.active_deadline_seconds
-    return _parse(start) + timedelta(seconds=limit) if start and limit else None
+    started = parse_time(start)
+    return started + timedelta(seconds=limit) if started and limit else None
 
 
 def deadline_passed(run: RLRun, now: datetime) -> bool:

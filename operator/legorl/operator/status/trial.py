@@ -11,9 +11,10 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
+from legorl.api.timestamps import parse_time
 from legorl.operator.observe import CRASH_REASONS, PULL_FAILURES
 from legorl.operator.render.trial import COLLECT_GRACE_SECONDS
 
@@ -45,16 +46,6 @@ class AgentEnd:
     collect: bool = False
     """Whether the proxy holds results to collect (the agent ran and the pod still runs)."""
     stage_seconds: Mapping[str, float] = field(default_factory=dict)
-
-
-def parse_time(value: Any) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def _statuses(pod: Mapping[str, Any], key: str) -> dict[str, dict[str, Any]]:
