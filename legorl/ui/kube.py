@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from legorl.api.labels import COMPONENT_LABEL
 from legorl.kube import credentials as shared
 from legorl.kube.client import ApiError, KubeClient
 
@@ -23,11 +24,6 @@ __all__ = ["ApiError", "KubeSource", "credentials", "pod_stage"]
 
 # Label contract of the operator's children (legorl.operator.render): the UI may not import the
 # operator (sibling layers), so the few keys it selects by are named here.
-RUN_LABEL = "legorl.dev/run"
-TRIAL_LABEL = "legorl.dev/trial"
-OWNER_LABEL = "legorl.dev/owner"
-COMPONENT_LABEL = "legorl.dev/component"
-POLICY_VERSION_ANNOTATION = "legorl.dev/policy-version"
 
 
 def _label_match(obj: Mapping[str, Any], labels: Mapping[str, str]) -> bool:

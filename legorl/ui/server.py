@@ -45,20 +45,20 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from legorl.api import __version__
-from legorl.api.labels import VALIDATE_ANNOTATION
+from legorl.api.labels import (
+    POLICY_VERSION_ANNOTATION,
+    RUN_LABEL,
+    TRIAL_LABEL,
+    VALIDATE_ANNOTATION,
+    owned_fleet_name,
+    owned_pool_name,
+)
 from legorl.api.store import StoreError
 
 from . import diag
 from .catalog import Catalog, RunEntry
 from .data import REASONS, SORT_KEYS, NotFound, TrialQuery
-from .kube import (
-    POLICY_VERSION_ANNOTATION,
-    RUN_LABEL,
-    TRIAL_LABEL,
-    ApiError,
-    KubeSource,
-    pod_stage,
-)
+from .kube import ApiError, KubeSource, pod_stage
 from .settings import UiSettings
 
 __all__ = ["CSP", "UiApp", "start_in_thread"]
@@ -825,13 +825,17 @@ async def _read_body(request: Request) -> bytes:
 def _fleet_name(entry: RunEntry) -> str:
     res = entry.resource or {}
     status, spec = res.get("status") or {}, res.get("spec") or {}
-    return str(status.get("fleetName") or (spec.get("fleetRef") or {}).get("name") or f"{entry.name}-fleet")
+    return str(
+        status.get("fleetName") or (spec.get("fleetRef") or {}).get("name") or owned_fleet_name(entry.name)
+    )
 
 
 def _pool_name(entry: RunEntry) -> str:
     res = entry.resource or {}
     status, spec = res.get("status") or {}, res.get("spec") or {}
-    return str(status.get("poolName") or (spec.get("poolRef") or {}).get("name") or f"{entry.name}-pool")
+    return str(
+        status.get("poolName") or (spec.get("poolRef") or {}).get("name") or owned_pool_name(entry.name)
+    )
 
 
 def _local_phase(conditions: list[dict[str, Any]]) -> str:
