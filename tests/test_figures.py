@@ -96,3 +96,24 @@ def test_gauges_and_curves_come_from_the_fields() -> None:
     curves = StepFigures.curves()
     assert curves[0] == ("reward_mean", "Reward (trained-on trials)", "reward")
     assert {name for name, _, _ in curves} <= set(StepFigures.model_fields)
+
+
+def test_validation_report_round_trip(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path))
+    assert store.validation_report() is None
+    body = {
+        "run": "r1",
+        "time": "2026-01-01T00:00:00+00:00",
+        "seconds": 12.5,
+        "checks": [{"check": "trial", "result": "Passed", "message": "ok", "figures": {"reward": None}}],
+        "trial": "t-1",
+        "result": "Passed",
+    }
+    store.write_validation(body)
+    report = store.validation_report()
+    assert report is not None and report.checks[0].figures == {"reward": None}
+    store.write_validation(report)
+    assert store.read_validation() == body
+    store.write_validation({**body, "checks": [{"check": "trial", "result": "Fine", "message": "?"}]})
+    with pytest.raises(FiguresError, match=r"checks\.0\.result"):
+        store.validation_report()

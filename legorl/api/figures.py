@@ -2,9 +2,10 @@
 
 `StepFigures` is a training step's figures (`metrics/trainer/step-NNNNNN.json`), `TrainerState` the
 trainer's resume pointer (`trainer/state.json`), `EvalSummary` a held-out evaluation
-(`evals/step-NNNNNN.json`) and `ScoringAnswer` the trainer's answer to a canary's scoring request
-(`validation/score/<id>.json`). Writers encode with `to_json`, readers decode with `from_json` (through
-`legorl.api.store.RunStore`'s typed functions), so no part indexes another's JSON by a string key.
+(`evals/step-NNNNNN.json`), `ScoringAnswer` the trainer's answer to a canary's scoring request
+(`validation/score/<id>.json`) and `ValidationReport` the last canary's report (`validation/latest.json`).
+Writers encode with `to_json`, readers decode with `from_json` (through `legorl.api.store.RunStore`'s typed
+functions), so no part indexes another's JSON by a string key.
 
 Each decoder names the bad field of a malformed document (`FiguresError`) and keeps fields a newer writer
 added (`extra="allow"`: they read back as attributes and are written again), as the readers always did. The
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -26,6 +27,9 @@ __all__ = [
     "ScoringAnswer",
     "StepFigures",
     "TrainerState",
+    "ValidationCheck",
+    "ValidationReport",
+    "ValidationResult",
 ]
 
 
@@ -300,3 +304,37 @@ class ScoringAnswer(_Document):
     None when no routing was compared."""
     routing_compared: float | None = None
     """(position, MoE layer) pairs compared."""
+
+
+ValidationResult = Literal["Passed", "Warning", "Failed"]
+"""A canary check's (and report's) outcome."""
+
+
+class ValidationCheck(_Document):
+    """One check of a canary (`preflight`, `trial`, `token-parity`, `routing-parity`, ...)."""
+
+    check: str
+    """The check's name."""
+    result: ValidationResult
+    """Passed, Warning or Failed."""
+    message: str
+    """What it found, in words a person can act on."""
+    figures: dict[str, Any] = Field(default_factory=dict)
+    """The numbers behind the result (NaN written as null)."""
+
+
+class ValidationReport(_Document):
+    """The last canary's report (`validation/latest.json`): `legorl run --canary` or the operator's."""
+
+    run: str
+    """The RLRun validated."""
+    time: str
+    """When the canary ended (ISO 8601)."""
+    seconds: float
+    """How long it took."""
+    checks: list[ValidationCheck]
+    """Its checks, in the order they ran."""
+    trial: str | None = None
+    """The canary's trial, when one ran."""
+    result: ValidationResult
+    """Failed when a check failed, else Warning when one warned, else Passed."""

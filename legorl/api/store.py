@@ -53,7 +53,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from legorl.api.figures import EvalSummary, ScoringAnswer, StepFigures, TrainerState
+from legorl.api.figures import (
+    EvalSummary,
+    ScoringAnswer,
+    StepFigures,
+    TrainerState,
+    ValidationReport,
+)
 from legorl.api.trajectory import (
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
@@ -585,13 +591,19 @@ class RunStore:
         return sorted(steps)
 
     # --- the canary ----------------------------------------------------------------------------
-    def write_validation(self, report: Mapping[str, Any]) -> None:
-        """Replace the last canary's report (`legorl.controller.canary.CanaryReport.to_json`)."""
-        self.write_object("validation/latest.json", _json_bytes(dict(report)))
+    def write_validation(self, report: ValidationReport | Mapping[str, Any]) -> None:
+        """Replace the last canary's report (`legorl.controller.canary.CanaryReport.report`)."""
+        body = report.to_json() if isinstance(report, ValidationReport) else dict(report)
+        self.write_object("validation/latest.json", _json_bytes(body))
 
     def read_validation(self) -> dict[str, Any] | None:
         """The last canary's report, or None before any canary ran."""
         return self._get_json("validation/latest.json")
+
+    def validation_report(self) -> ValidationReport | None:
+        """The last canary's report, typed; None before any canary ran."""
+        report = self.read_validation()
+        return ValidationReport.from_json(report) if report is not None else None
 
     # --- scoring requests: a canary asks the running trainer to score its trial ---------------------
     def request_scoring(self, request: str, records: Sequence[TrialRecord]) -> None:

@@ -30,17 +30,18 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
+from legorl.api.figures import ScoringAnswer, ValidationCheck, ValidationReport, ValidationResult
 from legorl.api.kinds import RLRun
 from legorl.api.store import RunStore
 from legorl.api.termination import INFRA_REASONS
 from legorl.api.trajectory import TrialRecord
 from legorl.manifests.preflight import check_resource
 
-Result = Literal["Passed", "Warning", "Failed"]
+Result = ValidationResult
 ROUTING_AGREEMENT_FLOOR = 0.9
 """Below this share of (token, MoE layer) pairs routed as the trainer's router would, routing parity fails."""
 ROUTING_AGREEMENT_GOOD = 0.99
@@ -84,11 +85,23 @@ class CanaryReport:
         results = {c.result for c in self.checks}
         return "Failed" if "Failed" in results else "Warning" if "Warning" in results else "Passed"
 
+    def report(self) -> ValidationReport:
+        """As the run store keeps it (`validation/latest.json`)."""
+        return ValidationReport(
+            run=self.run,
+            time=self.time,
+            seconds=self.seconds,
+            checks=[
+                ValidationCheck(check=c.check, result=c.result, message=c.message, figures=finite(c.figures))
+                for c in self.checks
+            ],
+            trial=self.trial,
+            result=self.result,
+        )
+
     def to_json(self) -> dict[str, Any]:
         """As JSON values (NaN figures become null)."""
-        body = {**asdict(self), "result": self.result}
-        body["checks"] = [{**c, "figures": finite(c["figures"])} for c in body["checks"]]
-        return body
+        return self.report().to_json()
 
     def text(self) -> str:
         width = max(len(c.check) for c in self.checks)
@@ -139,12 +152,13 @@ def trial_check(record: TrialRecord | None, waited: float) -> Check:
     )
 
 
-def parity_checks(record: TrialRecord, stats: Mapping[str, Any], run: RLRun) -> list[Check]:
-    """Token and routing parity from the trainer's scoring of `record`: `stats` is `ScoredBatch.fidelity()`
-    (tokens, pearson, max/mean |Δ log-prob|, replayed_share), with the `policy_version` the trainer held
-    when it scored, where known."""
+def parity_checks(record: TrialRecord, scoring: ScoringAnswer | Mapping[str, Any], run: RLRun) -> list[Check]:
+    """Token and routing parity from the trainer's scoring of `record`: its answer (`ScoringAnswer`), or
+    `ScoredBatch.fidelity()` in process (tokens, pearson, max/mean |Δ log-prob|, replayed_share), with the
+    `policy_version` the trainer held when it scored, where known."""
+    stats = scoring if isinstance(scoring, ScoringAnswer) else ScoringAnswer.from_json(scoring)
     floor = float(run.spec.fidelity.min_correlation)
-    held = stats.get("policy_version")
+    held = stats.policy_version
     sampled = sorted({*record.policy_versions, *(v for s in record.segments for v in s.policy_versions)})
     if held is not None and sampled and sampled != [str(held)]:
         why = (
@@ -152,13 +166,13 @@ def parity_checks(record: TrialRecord, stats: Mapping[str, Any], run: RLRun) -> 
             "the two cannot be compared (a weight sync happened in between); validate again"
         )
         return [Check("token-parity", "Warning", why), Check("routing-parity", "Warning", why)]
-    tokens = int(stats.get("tokens") or 0)
-    pearson = _float(stats.get("pearson"))
+    tokens = int(stats.tokens or 0)
+    pearson = _float(stats.pearson)
     figures = {
         "tokens": tokens,
         "pearson": pearson,
-        "max_abs_logprob_delta": _float(stats.get("max_abs_logprob_delta")),
-        "mean_abs_logprob_delta": _float(stats.get("mean_abs_logprob_delta")),
+        "max_abs_logprob_delta": _float(stats.max_abs_logprob_delta),
+        "mean_abs_logprob_delta": _float(stats.mean_abs_logprob_delta),
     }
     if tokens < 2:
         token = Check("token-parity", "Failed", f"only {tokens} sampled token(s) to compare", figures)
@@ -179,7 +193,7 @@ def parity_checks(record: TrialRecord, stats: Mapping[str, Any], run: RLRun) -> 
             figures,
         )
     routed = [s for s in record.segments if s.routed_experts is not None]
-    share = _float(stats.get("replayed_share"), 0.0)
+    share = _float(stats.replayed_share, 0.0)
     if not routed:
         routing = Check(
             "routing-parity",
@@ -200,10 +214,10 @@ def parity_checks(record: TrialRecord, stats: Mapping[str, Any], run: RLRun) -> 
     return [token, routing]
 
 
-def _routing_agreement_check(stats: Mapping[str, Any], share: float) -> Check:
+def _routing_agreement_check(stats: ScoringAnswer, share: float) -> Check:
     """Every scored token was replayed: are the experts replayed the ones these weights route to?"""
-    agreement = _float(stats.get("routing_agreement"))
-    compared = int(_float(stats.get("routing_compared"), 0.0))
+    agreement = _float(stats.routing_agreement)
+    compared = int(_float(stats.routing_compared, 0.0))
     figures = {"replayed_share": share, "routing_agreement": agreement, "routing_compared": compared}
     if compared == 0 or math.isnan(agreement):
         return Check(
@@ -248,7 +262,7 @@ def _float(value: Any, default: float = float("nan")) -> float:
 
 
 def write_report(store: RunStore, report: CanaryReport) -> None:
-    store.write_validation(report.to_json())
+    store.write_validation(report.report())
 
 
 def finite(figures: Mapping[str, Any]) -> dict[str, Any]:

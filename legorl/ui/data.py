@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from legorl.api.figures import EvalSummary, FiguresError, StepFigures, TrainerState
+from legorl.api.figures import EvalSummary, FiguresError, StepFigures, TrainerState, ValidationReport
 from legorl.api.store import RunStore, StoreError, parse_policy_version
 from legorl.api.termination import INFRA_REASONS, TerminationReason
 from legorl.api.trajectory import TRIAL_SCHEMA, decode_routing
@@ -107,7 +107,7 @@ class TrialQuery:
 SORT_KEYS: Final = ("step", "trial", "task_id", "reward", "termination_reason", "num_turns", "duration")
 
 
-_Document = TypeVar("_Document", EvalSummary, StepFigures, TrainerState)
+_Document = TypeVar("_Document", EvalSummary, StepFigures, TrainerState, ValidationReport)
 
 
 def _decoded(kind: type[_Document], records: Iterable[Mapping[str, Any]]) -> list[_Document]:
@@ -281,20 +281,18 @@ class StoreData:
 
     def validation(self) -> dict[str, Any] | None:
         """The last canary's report (`legorl run --canary`, or the operator's), as the overview shows it."""
-        report = self._json("validation/latest.json")
-        if not report:
+        raw = self._json("validation/latest.json")
+        reports = _decoded(ValidationReport, [raw]) if raw else []
+        if not reports:
             return None
+        report = reports[0]
         return {
             "source": "store",
-            "state": report.get("result"),
-            "time": report.get("time"),
-            "seconds": report.get("seconds"),
-            "trial": report.get("trial"),
-            "checks": [
-                {k: c.get(k) for k in ("check", "result", "message")}
-                for c in report.get("checks") or []
-                if isinstance(c, dict)
-            ],
+            "state": report.result,
+            "time": report.time,
+            "seconds": report.seconds,
+            "trial": report.trial,
+            "checks": [{"check": c.check, "result": c.result, "message": c.message} for c in report.checks],
         }
 
     def name(self) -> str:

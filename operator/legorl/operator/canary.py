@@ -164,7 +164,7 @@ def _parity(
         if stop.is_set():
             raise Stopped
         try:
-            answer = store.read_scoring_answer(request)
+            answer = store.scoring_answer(request)
         except (StoreError, OSError, ValueError) as exc:
             log.warning("run %s: reading the trainer's answer: %s", run.metadata.name, exc)
             answer = None
@@ -177,8 +177,8 @@ def _parity(
             )
             return [Check("token-parity", "Failed", why), Check("routing-parity", "Failed", why)]
         stop.wait(poll_seconds)
-    if answer.get("error"):
-        why = f"the trainer could not score the trial: {answer['error']}"
+    if answer.error:
+        why = f"the trainer could not score the trial: {answer.error}"
         return [Check("token-parity", "Failed", why), Check("routing-parity", "Failed", why)]
     return parity_checks(record, answer, run)
 
