@@ -26,6 +26,7 @@ from legorl.api.common import (
     ResourceRequirements,
     TaskSetSource,
 )
+from legorl.sandbox.outcomes import TamperPolicy
 
 MAX_IMAGES = 10_000
 DEFAULT_PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
@@ -91,7 +92,7 @@ class Defenses(ApiModel):
     `Unrestricted` is for debugging harnesses only."""
     git_history: Literal["BaseCommitOnly", "Preserve"] = "BaseCommitOnly"
     """`BaseCommitOnly` leaves one commit: no future commits, refs, tags, reflog or packs."""
-    tamper_policy: Literal["StripAndReport", "FailTrial"] = "StripAndReport"
+    tamper_policy: TamperPolicy = "StripAndReport"
     """What verification does with a diff that touches tests or test-runner hooks: strip those
     parts and record the finding, or end the trial with reward 0."""
 

@@ -43,6 +43,7 @@ from typing import Literal
 import legorl.sandbox
 from legorl.sandbox import seccomp
 from legorl.sandbox.checks import Check
+from legorl.sandbox.outcomes import TamperPolicy
 from legorl.sandbox.taskenv import TaskEnvError, ensure_task_env
 
 SANDBOX_PACKAGE = Path(legorl.sandbox.__file__).resolve().parent
@@ -79,7 +80,7 @@ class Defenses:
 
     egress: Literal["ProxyOnly", "Unrestricted"] = "ProxyOnly"
     git_history: Literal["BaseCommitOnly", "Preserve"] = "BaseCommitOnly"
-    tamper_policy: Literal["StripAndReport", "FailTrial"] = "StripAndReport"
+    tamper_policy: TamperPolicy = "StripAndReport"
     isolate: bool = True
     """Run stages in namespaces at all (False only to measure what the defenses cost)."""
 

@@ -77,3 +77,7 @@ TamperKind = Literal[
 """What a tamper finding is about: the closed set the sandbox reports and the trial table stores."""
 
 TAMPER_KINDS: Final[frozenset[str]] = frozenset(get_args(TamperKind))
+
+TamperPolicy = Literal["StripAndReport", "FailTrial"]
+"""What verification does with a diff that touches tests or test-runner hooks: strip those parts and
+record the finding, or end the trial with reward 0 (the SandboxPool's `tamperPolicy`)."""
