@@ -423,7 +423,7 @@ def check_throughput(
                     torch.cuda.synchronize()
                 if i > 0:
                     times[mode].append(time.perf_counter() - started)
-                shares[mode] = figures.get("replayed_token_share")
+                shares[mode] = figures.replayed_token_share
         for mode in trainers:
             ms = statistics.median(times[mode]) * 1000
             timings[f"{recompute}/{mode}"] = ms

@@ -140,7 +140,7 @@ def worker(args: argparse.Namespace) -> None:
         started = time.perf_counter()
         figures = trainer.train_step(trials, step=step)
         seconds.append(time.perf_counter() - started)
-        tokens = int(figures["loss_tokens"])
+        tokens = int(figures.loss_tokens or 0)
     dist.barrier()
     started = time.perf_counter()
     export = HfExport(trainer.model, trainer.arch)

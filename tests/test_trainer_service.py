@@ -343,9 +343,9 @@ def test_mini_batches_take_one_optimizer_step_each(
     for minis in (1, 2):
         trainer = PolicyTrainer(make_settings(tiny, tmp_path / f"m{minis}", mini_batches=minis))
         figures = trainer.train_step(batches[0], step=1)
-        assert figures["mini_batches"] == minis
+        assert figures.mini_batches == minis
         # Rollout and the pre-update recompute are the same policy: the figure is taken before any update.
-        assert figures["fidelity_pearson"] > 0.9999
+        assert (figures.fidelity_pearson or 0.0) > 0.9999
         state = trainer.optimizer.state[next(iter(trainer.model.parameters()))]
         steps_taken[minis] = int(state["step"])
     assert steps_taken == {1: 1, 2: 2}
@@ -361,7 +361,7 @@ def test_bf16_training_keeps_fp32_master_weights(
     assert trainer.masters is not None
     before = [m.detach().clone() for m in trainer.masters]
     figures = trainer.train_step(batches[0], step=1)
-    assert "skipped" not in figures
+    assert figures.skipped is None
     changed = sum(int((m != b).sum()) for m, b in zip(trainer.masters, before, strict=True))
     total = sum(b.numel() for b in before)
     assert changed / total > 0.5, f"only {changed}/{total} master weights moved"
@@ -413,11 +413,11 @@ def test_replay_enabled_leaves_unrouted_segments_out(
     ]
     strict = PolicyTrainer(make_settings(tiny, tmp_path, routing_replay="Enabled"))
     figures = strict.train_step(stripped, step=1)
-    assert figures["dropped_unrouted_segments"] == len(batches[0]) - 1  # all but the dropped infra trial
-    assert figures["skipped"] == "no sampled tokens"
+    assert figures.dropped_unrouted_segments == len(batches[0]) - 1  # all but the dropped infra trial
+    assert figures.skipped == "no sampled tokens"
     auto = PolicyTrainer(make_settings(tiny, tmp_path, routing_replay="Auto"))
     figures = auto.train_step(stripped, step=1)
-    assert "skipped" not in figures and figures["replayed_token_share"] == 0.0
+    assert figures.skipped is None and figures.replayed_token_share == 0.0
 
 
 def test_checkpoints_skip_a_damaged_manifest(tmp_path: Path) -> None:

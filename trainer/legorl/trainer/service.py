@@ -133,9 +133,7 @@ class TrainingService:
                 break
             if self.writer:
                 log.info("re-training step %d from its committed batch (published before the restart)", step)
-            figures = StepFigures.from_json(
-                self.trainer.train_step(self.store.read_batch(step).trials, step=step)
-            )
+            figures = self.trainer.train_step(self.store.read_batch(step).trials, step=step)
             figures.retrained_on_resume = 1
             # A crash between publishing and recording the step left no figures and a stale pointer; figures
             # that were recorded stay (they describe the step as it was published and synced).
@@ -204,7 +202,7 @@ class TrainingService:
         if step != self.trainer.step + 1:
             raise ValueError(f"step {step} out of order: the trainer is at step {self.trainer.step}")
         batch = self.store.read_batch(step)
-        figures = StepFigures.from_json(self.trainer.train_step(batch.trials, step=step))
+        figures = self.trainer.train_step(batch.trials, step=step)
         if self.writer and self.trainer.token_logprobs:
             # Per-token training log-probs for the UI's trajectory viewer (rollout vs. training).
             self.store.write_token_logprobs(step, self.trainer.token_logprobs)

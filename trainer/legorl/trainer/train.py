@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from legorl.api.figures import StepFigures
 from legorl.api.store import policy_version
 from legorl.api.trajectory import TrialRecord
 from legorl.trainer import compat, convert, data, loss, model, parallel, pipeline, replay
@@ -424,7 +425,7 @@ class PolicyTrainer:
         scale = min(1.0, step / warmup) if warmup > 0 else 1.0
         return self.settings.learning_rate * scale
 
-    def train_step(self, trials: Sequence[TrialRecord], *, step: int | None = None) -> dict[str, Any]:
+    def train_step(self, trials: Sequence[TrialRecord], *, step: int | None = None) -> StepFigures:
         """One optimizer step on `trials` (the batch of step `step`, sampled with policy `step - 1`).
 
         Every rank calls it with the same trials. Returns the step's figures (loss, reward, fidelity,
@@ -445,20 +446,20 @@ class PolicyTrainer:
         )
         kept = filtered.kept
         rewards_all = [t.reward for t in trials if t.reward is not None]
-        figures: dict[str, Any] = {
-            "step": step,
-            "trials_total": len(trials),
-            "trials_kept": len(kept),
-            "trials_dropped": len(trials) - len(kept),
-            "zero_variance_groups": filtered.zero_variance_groups,
-            "dropped_by_reason": {reason.value: n for reason, n in filtered.dropped_by_reason.items()},
-            "dropped_stale": filtered.dropped_stale,
-            "dropped_no_reward": filtered.dropped_no_reward,
-            "dropped_unknown_version": filtered.dropped_unknown_version,
-            "max_staleness_seen": filtered.max_staleness_seen,
-            "learning_rate": self.learning_rate(step),
-            "reward_mean_all": float(np.mean(rewards_all)) if rewards_all else math.nan,
-        }
+        figures = StepFigures(
+            step=step,
+            trials_total=len(trials),
+            trials_kept=len(kept),
+            trials_dropped=len(trials) - len(kept),
+            zero_variance_groups=filtered.zero_variance_groups,
+            dropped_by_reason={reason.value: n for reason, n in filtered.dropped_by_reason.items()},
+            dropped_stale=filtered.dropped_stale,
+            dropped_no_reward=filtered.dropped_no_reward,
+            dropped_unknown_version=filtered.dropped_unknown_version,
+            max_staleness_seen=filtered.max_staleness_seen,
+            learning_rate=self.learning_rate(step),
+            reward_mean_all=float(np.mean(rewards_all)) if rewards_all else math.nan,
+        )
         mini_sequences = self._sequences(kept, figures, step) if kept else []
         # Fidelity compares the engine's and the trainer's probabilities of one policy: only segments
         # sampled entirely by the version being trained (v<step-1>) count. Stale ones (async mode)
@@ -470,13 +471,13 @@ class PolicyTrainer:
         ]
         loss_tokens = [sum(q.num_loss_tokens for q in seqs) for seqs in mini_sequences]
         if not sum(loss_tokens):
-            figures["skipped"] = "no trials left after filtering" if not kept else "no sampled tokens"
-            figures["step_seconds"] = time.perf_counter() - started
+            figures.skipped = "no trials left after filtering" if not kept else "no sampled tokens"
+            figures.step_seconds = time.perf_counter() - started
             self.step = step
             return figures
 
         for group in self.optimizer.param_groups:
-            group["lr"] = figures["learning_rate"]
+            group["lr"] = figures.learning_rate
         # With one mini-batch the "old" policy is the one being trained (ratio 1, its gradient is the
         # policy gradient). With several, later mini-batches are off-policy: their ratio is taken against
         # the log-probs every micro-batch had before the first update.
@@ -502,30 +503,28 @@ class PolicyTrainer:
             grad_norm = self._optimizer_step()
             norms.append(grad_norm)
             if not math.isfinite(grad_norm):
-                figures["skipped"] = f"non-finite gradient norm ({grad_norm})"
+                figures.skipped = f"non-finite gradient norm ({grad_norm})"
         elapsed = time.perf_counter() - started
-        figures.update(self._figures(acc, loss_tokens=sum(loss_tokens)))
-        figures.update(
-            grad_norm=float(np.mean(norms)),
-            kl_ref=figures.get("kl_ref") if self.reference is not None else None,
-            mini_batches=len(minis),
-            micro_batches=sum(len(m) for m in minis),
-            step_seconds=elapsed,
-        )
-        figures["tokens_per_second"] = figures.pop("tokens_through") / elapsed if elapsed > 0 else None
+        figures, tokens_through = self._figures(figures, acc, loss_tokens=sum(loss_tokens))
+        figures.grad_norm = float(np.mean(norms))
+        figures.kl_ref = figures.kl_ref if self.reference is not None else None
+        figures.mini_batches = len(minis)
+        figures.micro_batches = sum(len(m) for m in minis)
+        figures.step_seconds = elapsed
+        figures.tokens_per_second = tokens_through / elapsed if elapsed > 0 else None
         self.step = step
         return figures
 
     def _sequences(
-        self, kept: Sequence[TrialRecord], figures: dict[str, Any], step: int
+        self, kept: Sequence[TrialRecord], figures: StepFigures, step: int
     ) -> list[list[data.TrainSequence]]:
         """The kept trials' segments with their group advantages, as mini-batches (contiguous slices of
         the batch, one optimizer step each); the reward and advantage figures go into `figures`."""
         s = self.settings
         rewards = torch.tensor([float(t.reward or 0.0) for t in kept])
         advantages = loss.group_advantages(rewards, [t.group_id for t in kept], mode=s.advantage)
-        figures["reward_mean"] = float(rewards.mean())
-        figures["advantage_abs_mean"] = float(advantages.abs().mean())
+        figures.reward_mean = float(rewards.mean())
+        figures.advantage_abs_mean = float(advantages.abs().mean())
         by_trial = {t.trial: float(a) for t, a in zip(kept, advantages, strict=True)}
         sequences = data.sequences_from_trials(kept, by_trial)
         if s.routing_replay == "Enabled":
@@ -541,7 +540,7 @@ class PolicyTrainer:
                     step,
                 )
             sequences = [q for q in sequences if q.routed_experts is not None]
-            figures["dropped_unrouted_segments"] = len(unrouted)
+            figures.dropped_unrouted_segments = len(unrouted)
         size = math.ceil(len(sequences) / s.mini_batches) if sequences else 1
         return [sequences[i : i + size] for i in range(0, len(sequences), size)]
 
@@ -656,9 +655,12 @@ class PolicyTrainer:
             param.grad = None
         return norm
 
-    def _figures(self, acc: _Accumulator, *, loss_tokens: int) -> dict[str, Any]:
-        """The step's figures over every rank: sums all-reduced, per-token figures from every rank's tokens
-        (in (trial, segment) order, so the same at every layout) computed on the writer and shared."""
+    def _figures(
+        self, figures: StepFigures, acc: _Accumulator, *, loss_tokens: int
+    ) -> tuple[StepFigures, float]:
+        """`figures` with the step's loss figures over every rank: sums all-reduced, per-token figures from
+        every rank's tokens (in (trial, segment) order, so the same at every layout) computed on the writer
+        and shared; and the tokens through forward and backward over every rank."""
         sums = parallel.all_reduce_cpu(
             torch.tensor(
                 [acc.loss, acc.entropy, acc.kl_ref, acc.clipped, acc.capped, float(acc.tokens_through)],
@@ -666,7 +668,7 @@ class PolicyTrainer:
             )
         ).tolist()
         gathered = parallel.gather_objects(acc.records)
-        figures: dict[str, Any] | None = None
+        computed: tuple[StepFigures, float] | None = None
         if gathered is not None:
             ordered = sorted((r for part in gathered for r in part), key=lambda r: r.key)
             on_policy = [r for r in ordered if r.on_policy]
@@ -677,24 +679,23 @@ class PolicyTrainer:
             fid = loss.fidelity_stats(
                 torch.from_numpy(train)[None], torch.from_numpy(behavior)[None], torch.ones(1, len(train))
             )
-            figures = {
-                "loss": sums[0],
-                "entropy": sums[1],
-                "kl_ref": sums[2],
-                "clip_fraction": sums[3] / loss_tokens,
-                "is_capped_share": sums[4] / loss_tokens,
-                "is_ess": float(loss.effective_sample_size(torch.from_numpy(weights))),
-                "fidelity_pearson": fid["pearson"],
-                "fidelity_mean_abs_logprob_delta": fid["mean_abs_logprob_delta"],
-                "fidelity_max_abs_logprob_delta": fid["max_abs_logprob_delta"],
-                "fidelity_kl": fid["kl"],
-                "fidelity_tokens": int(fid["tokens"]),
-                "replayed_token_share": float(covered.mean()) if covered.size else 0.0,
-                "loss_tokens": loss_tokens,
-                "tokens_through": sums[5],
-            }
+            merged = figures.model_copy(deep=True)
+            merged.loss = sums[0]
+            merged.entropy = sums[1]
+            merged.kl_ref = sums[2]
+            merged.clip_fraction = sums[3] / loss_tokens
+            merged.is_capped_share = sums[4] / loss_tokens
+            merged.is_ess = float(loss.effective_sample_size(torch.from_numpy(weights)))
+            merged.fidelity_pearson = fid["pearson"]
+            merged.fidelity_mean_abs_logprob_delta = fid["mean_abs_logprob_delta"]
+            merged.fidelity_max_abs_logprob_delta = fid["max_abs_logprob_delta"]
+            merged.fidelity_kl = fid["kl"]
+            merged.fidelity_tokens = int(fid["tokens"])
+            merged.replayed_token_share = float(covered.mean()) if covered.size else 0.0
+            merged.loss_tokens = loss_tokens
+            computed = (merged, sums[5])
             self.token_logprobs = {r.key: _aligned(r) for r in ordered}
-        shared: dict[str, Any] = parallel.broadcast(figures)
+        shared: tuple[StepFigures, float] = parallel.broadcast(computed)
         return shared
 
     # -- weights and state -----------------------------------------------------------------------------
