@@ -204,18 +204,6 @@ class StepFigures(_Document):
             body[DROPPED_BY_REASON] = {**(body.get(DROPPED_BY_REASON) or {}), **flat}
         return super().from_json(body)
 
-    def number(self, name: str) -> float | None:
-        """A figure by name (a declared one or one a newer trainer added), as a finite float; None when absent
-        or not a number (for tables and charts that go over every figure)."""
-        value = (
-            getattr(self, name, None)
-            if name in type(self).model_fields
-            else (self.model_extra or {}).get(name)
-        )
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return None
-        return float(value)
-
     @classmethod
     def gauges(cls) -> dict[str, str]:
         """The figures exported as gauges, with their help text (the field's docstring)."""

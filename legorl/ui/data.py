@@ -72,7 +72,8 @@ SUMMARY_COLUMNS: Final = [
 """The trial columns a list needs: everything but the segments (token arrays)."""
 
 CURVES: Final = StepFigures.curves()
-"""Training curves the UI draws first, in this order; any other numeric metric follows."""
+"""Training curves the UI draws first, in this order, as (figure, label, group): declared on `StepFigures`'s
+fields. Any other numeric figure in metrics/trainer/step-N.json follows."""
 
 _STEP_RE: Final = re.compile(r"step-([0-9]{6,})")
 _TRIAL_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
