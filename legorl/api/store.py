@@ -130,6 +130,79 @@ def _step_dir(step: int) -> str:
     return f"step-{step:06d}"
 
 
+class StoreLayout:
+    """Every path in a run store, relative to its root (the module's docstring draws the tree): the one
+    place a path is spelled. The run store's methods, the UI's reader and the diagnostics build theirs
+    from it."""
+
+    RUN: Final = "run.json"
+    CONTROLLER_STATE: Final = "controller/state.json"
+    TRAINER_STATE: Final = "trainer/state.json"
+    VALIDATION: Final = "validation/latest.json"
+    BATCHES: Final = "batches"
+    WEIGHTS: Final = "weights"
+    STEP_FIGURES: Final = "metrics/trainer"
+    TOKEN_LOGPROBS: Final = "metrics/tokens"  # noqa: S105 - a folder, not a secret
+    TRIALS: Final = "trials"
+    EVALS: Final = "evals"
+    SCORING: Final = "validation/score"
+    BATCH_MARKER: Final = "COMMIT.json"
+    BATCH_TRIALS: Final = "trials.parquet"
+    STEP_GLOB: Final = "step-*"
+
+    @staticmethod
+    def batch(step: int) -> str:
+        """The folder of step `step`'s committed batch."""
+        return f"{StoreLayout.BATCHES}/{_step_dir(step)}"
+
+    @staticmethod
+    def batch_marker(step: int) -> str:
+        return f"{StoreLayout.batch(step)}/{StoreLayout.BATCH_MARKER}"
+
+    @staticmethod
+    def batch_trials(step: int) -> str:
+        return f"{StoreLayout.batch(step)}/{StoreLayout.BATCH_TRIALS}"
+
+    @staticmethod
+    def weights(version: str) -> str:
+        """The folder of policy version `version`'s weights."""
+        return f"{StoreLayout.WEIGHTS}/{version}"
+
+    @staticmethod
+    def weights_marker(version: str) -> str:
+        return f"{StoreLayout.weights(version)}/{PUBLISHED_MARKER}"
+
+    @staticmethod
+    def step_figures(step: int) -> str:
+        return f"{StoreLayout.STEP_FIGURES}/{_step_dir(step)}.json"
+
+    @staticmethod
+    def token_logprobs(step: int) -> str:
+        return f"{StoreLayout.TOKEN_LOGPROBS}/{_step_dir(step)}.parquet"
+
+    @staticmethod
+    def trials(split: str, step: int | None = None) -> str:
+        """The folder of a split's saved trials, or of one step's."""
+        folder = f"{StoreLayout.TRIALS}/{split}"
+        return folder if step is None else f"{folder}/{_step_dir(step)}"
+
+    @staticmethod
+    def saved_trial(split: str, step: int, trial: str) -> str:
+        return f"{StoreLayout.trials(split, step)}/{trial}.parquet"
+
+    @staticmethod
+    def eval_summary(step: int) -> str:
+        return f"{StoreLayout.EVALS}/{_step_dir(step)}.json"
+
+    @staticmethod
+    def scoring_request(request: str) -> str:
+        return f"{StoreLayout.SCORING}/{request}.parquet"
+
+    @staticmethod
+    def scoring_answer(request: str) -> str:
+        return f"{StoreLayout.SCORING}/{request}.json"
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -324,7 +397,7 @@ class RunStore:
         Committing a step again with the same trials, policy version and meta returns the
         existing commit; anything different raises StoreError (a committed batch may already
         have been trained on, so it is never replaced)."""
-        folder = f"batches/{_step_dir(step)}"
+        _step_dir(step)  # a step that is not an integer ≥ 0 is refused before anything is read
         parse_policy_version(policy_version)
         meta_json = json.loads(_json_bytes(dict(meta or {})))
         try:
@@ -336,7 +409,7 @@ class RunStore:
         data = _parquet_bytes(table)
         digest = _sha256(data)
 
-        existing = self._get_json(f"{folder}/COMMIT.json")
+        existing = self._get_json(StoreLayout.batch_marker(step))
         if existing is not None:
             ref = self._ref(step, existing)
             same = ref.policy_version == policy_version and ref.meta == meta_json
@@ -354,7 +427,7 @@ class RunStore:
             return ref
 
         # A leftover trials.parquet from a crash before the marker was never visible: replace it.
-        self.write_object(f"{folder}/trials.parquet", data)
+        self.write_object(StoreLayout.batch_trials(step), data)
         marker = {
             "format": STORE_FORMAT,
             "step": step,
@@ -366,13 +439,13 @@ class RunStore:
             "created_at": self._clock().astimezone(UTC).isoformat(),
             "meta": meta_json,
         }
-        self.write_object(f"{folder}/COMMIT.json", _json_bytes(marker))
+        self.write_object(StoreLayout.batch_marker(step), _json_bytes(marker))
         return self._ref(step, marker)
 
     def committed_steps(self) -> list[int]:
         """Steps with a commit marker, ascending."""
         steps = []
-        for path in self._glob("batches/step-*/COMMIT.json"):
+        for path in self._glob(f"{StoreLayout.BATCHES}/{StoreLayout.STEP_GLOB}/{StoreLayout.BATCH_MARKER}"):
             match = _STEP_DIR_RE.fullmatch(posixpath.basename(posixpath.dirname(path)))
             if match:
                 steps.append(int(match.group(1)))
@@ -380,7 +453,7 @@ class RunStore:
 
     def batch_ref(self, step: int) -> BatchRef:
         """The commit marker of step `step`; StoreError if the step is not committed."""
-        relative = f"batches/{_step_dir(step)}/COMMIT.json"
+        relative = StoreLayout.batch_marker(step)
         marker = self._get_json(relative)
         if marker is None:
             raise StoreError(
@@ -400,7 +473,7 @@ class RunStore:
         return Batch(ref=ref, trials=trials_from_table(table))
 
     def _ref(self, step: int, marker: dict[str, Any]) -> BatchRef:
-        where = self.url(f"batches/{_step_dir(step)}/COMMIT.json")
+        where = self.url(StoreLayout.batch_marker(step))
         self._check_format(marker, where)
         if marker.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
             raise StoreError(
@@ -418,7 +491,7 @@ class RunStore:
                 size=int(marker["size"]),
                 created_at=str(marker["created_at"]),
                 meta=dict(marker["meta"]),
-                path=self.url(f"batches/{_step_dir(step)}/trials.parquet"),
+                path=self.url(StoreLayout.batch_trials(step)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreError(f"{where} lacks or mangles a field ({exc!r}); the store is damaged") from exc
@@ -427,7 +500,7 @@ class RunStore:
         return ref
 
     def _read_table(self, ref: BatchRef) -> pa.Table:
-        relative = f"batches/{_step_dir(ref.step)}/trials.parquet"
+        relative = StoreLayout.batch_trials(ref.step)
         data = self._get(relative)
         if data is None:
             raise StoreError(f"step {ref.step} is committed but {ref.path} is missing; the store is damaged")
@@ -451,7 +524,7 @@ class RunStore:
     def weights_path(self, version: str) -> str:
         """URL of the folder the weights of `version` go into, ending in `/`."""
         parse_policy_version(version)
-        return self.url(f"weights/{version}/")
+        return self.url(f"{StoreLayout.weights(version)}/")
 
     def record_weights(
         self,
@@ -482,7 +555,7 @@ class RunStore:
                     "published weights are never replaced — publish under the next version"
                 )
             return existing
-        folder = self.fs_path(f"weights/{version}")
+        folder = self.fs_path(StoreLayout.weights(version))
         self.fs.invalidate_cache(folder)
         try:
             listed = self.fs.ls(folder, detail=True)
@@ -512,14 +585,14 @@ class RunStore:
             bytes=sum(sizes[name] for name in names),
             path=self.weights_path(version),
         )
-        self.write_object(f"weights/{version}/{PUBLISHED_MARKER}", _json_bytes(published.to_json()))
+        self.write_object(StoreLayout.weights_marker(version), _json_bytes(published.to_json()))
         return published
 
     def read_published(self, version: str) -> PublishedWeights | None:
         """The publication record of `version`, or None if it is not published (yet)."""
         parse_policy_version(version)
-        where = self.url(f"weights/{version}/{PUBLISHED_MARKER}")
-        marker = self._get_json(f"weights/{version}/{PUBLISHED_MARKER}")
+        where = self.url(StoreLayout.weights_marker(version))
+        marker = self._get_json(StoreLayout.weights_marker(version))
         if marker is None:
             return None
         try:
@@ -533,7 +606,7 @@ class RunStore:
     def published_versions(self) -> list[str]:
         """Published policy versions, oldest first."""
         steps = []
-        for path in self._glob(f"weights/*/{PUBLISHED_MARKER}"):
+        for path in self._glob(StoreLayout.weights_marker("*")):
             name = posixpath.basename(posixpath.dirname(path))
             if _VERSION_RE.fullmatch(name):
                 steps.append(parse_policy_version(name))
@@ -547,11 +620,11 @@ class RunStore:
     # --- the run's manifest ----------------------------------------------------------------------
     def write_run_spec(self, body: Mapping[str, Any]) -> None:
         """Record the RLRun this store belongs to (`run.json`), so processes can start from the store."""
-        self.write_object("run.json", _json_bytes(dict(body)))
+        self.write_object(StoreLayout.RUN, _json_bytes(dict(body)))
 
     def read_run_spec(self) -> dict[str, Any] | None:
         """The recorded RLRun (as JSON), or None before one was written."""
-        return self._get_json("run.json")
+        return self._get_json(StoreLayout.RUN)
 
     # --- finished trials (the run controller's journal) ----------------------------------------
     def save_trial(self, record: TrialRecord) -> None:
@@ -563,14 +636,14 @@ class RunStore:
         except TrajectoryError as exc:
             raise StoreError(f"trial {record.trial} breaks the trajectory contract: {exc}") from exc
         self.write_object(
-            f"trials/{record.split}/{_step_dir(record.step)}/{record.trial}.parquet", _parquet_bytes(table)
+            StoreLayout.saved_trial(record.split, record.step, record.trial), _parquet_bytes(table)
         )
 
     def saved_trials(self, split: str, step: int) -> list[TrialRecord]:
         """Trials saved for `split` and `step`, by trial id."""
         if split not in ("train", "validation"):
             raise ValueError(f"split must be train or validation, got {split!r}")
-        paths = self._glob(f"trials/{split}/{_step_dir(step)}/*.parquet")
+        paths = self._glob(f"{StoreLayout.trials(split, step)}/*.parquet")
         if not paths:
             return []
         records = []
@@ -584,7 +657,7 @@ class RunStore:
     def saved_steps(self, split: str) -> list[int]:
         """Steps with at least one saved trial of `split`, ascending."""
         steps = set()
-        for path in self._glob(f"trials/{split}/step-*/*.parquet"):
+        for path in self._glob(f"{StoreLayout.trials(split)}/{StoreLayout.STEP_GLOB}/*.parquet"):
             match = _STEP_DIR_RE.fullmatch(posixpath.basename(posixpath.dirname(path)))
             if match:
                 steps.add(int(match.group(1)))
@@ -594,11 +667,11 @@ class RunStore:
     def write_validation(self, report: ValidationReport | Mapping[str, Any]) -> None:
         """Replace the last canary's report (`legorl.controller.canary.CanaryReport.report`)."""
         body = report.to_json() if isinstance(report, ValidationReport) else dict(report)
-        self.write_object("validation/latest.json", _json_bytes(body))
+        self.write_object(StoreLayout.VALIDATION, _json_bytes(body))
 
     def read_validation(self) -> dict[str, Any] | None:
         """The last canary's report, or None before any canary ran."""
-        return self._get_json("validation/latest.json")
+        return self._get_json(StoreLayout.VALIDATION)
 
     def validation_report(self) -> ValidationReport | None:
         """The last canary's report, typed; None before any canary ran."""
@@ -614,20 +687,21 @@ class RunStore:
             table = trials_to_table(list(records))
         except TrajectoryError as exc:
             raise StoreError(f"scoring request {request} breaks the trajectory contract: {exc}") from exc
-        self.write_object(f"validation/score/{request}.parquet", _parquet_bytes(table))
+        self.write_object(StoreLayout.scoring_request(request), _parquet_bytes(table))
 
     def scoring_requests(self) -> list[str]:
         """Ids of scoring requests without an answer yet, sorted."""
         asked = {
-            posixpath.basename(p).removesuffix(".parquet") for p in self._glob("validation/score/*.parquet")
+            posixpath.basename(p).removesuffix(".parquet")
+            for p in self._glob(StoreLayout.scoring_request("*"))
         }
         answered = {
-            posixpath.basename(p).removesuffix(".json") for p in self._glob("validation/score/*.json")
+            posixpath.basename(p).removesuffix(".json") for p in self._glob(StoreLayout.scoring_answer("*"))
         }
         return sorted(asked - answered)
 
     def read_scoring_request(self, request: str) -> list[TrialRecord]:
-        data = self._get(f"validation/score/{request}.parquet")
+        data = self._get(StoreLayout.scoring_request(request))
         if data is None:
             raise StoreError(f"no scoring request {request!r} in {self.uri}")
         try:
@@ -638,10 +712,10 @@ class RunStore:
     def answer_scoring(self, request: str, answer: ScoringAnswer | Mapping[str, Any]) -> None:
         """The trainer's answer to `request` (its figures, or an `error`); written once."""
         body = answer.to_json() if isinstance(answer, ScoringAnswer) else dict(answer)
-        self.write_object(f"validation/score/{request}.json", _json_bytes(body))
+        self.write_object(StoreLayout.scoring_answer(request), _json_bytes(body))
 
     def read_scoring_answer(self, request: str) -> dict[str, Any] | None:
-        return self._get_json(f"validation/score/{request}.json")
+        return self._get_json(StoreLayout.scoring_answer(request))
 
     def scoring_answer(self, request: str) -> ScoringAnswer | None:
         """The trainer's answer to `request`, typed; None before it answered."""
@@ -651,11 +725,11 @@ class RunStore:
     # --- evaluations and the controller's progress ------------------------------------------------
     def write_eval(self, step: int, summary: Mapping[str, Any]) -> None:
         """The held-out evaluation of policy version `step` (written once all its trials ended)."""
-        self.write_object(f"evals/{_step_dir(step)}.json", _json_bytes({"step": step, **summary}))
+        self.write_object(StoreLayout.eval_summary(step), _json_bytes({"step": step, **summary}))
 
     def read_evals(self) -> list[dict[str, Any]]:
         """Every evaluation, by step."""
-        paths = self._glob("evals/step-*.json")
+        paths = self._glob(f"{StoreLayout.EVALS}/{StoreLayout.STEP_GLOB}.json")
         out = [json.loads(data) for data in self.fs.cat(paths, on_error="omit").values()] if paths else []
         return sorted(out, key=lambda r: int(r["step"]))
 
@@ -669,10 +743,10 @@ class RunStore:
 
     def write_controller_state(self, state: Mapping[str, Any]) -> None:
         """Replace the run controller's progress snapshot (what status and the UI show)."""
-        self.write_object("controller/state.json", _json_bytes(dict(state)))
+        self.write_object(StoreLayout.CONTROLLER_STATE, _json_bytes(dict(state)))
 
     def read_controller_state(self) -> dict[str, Any] | None:
-        return self._get_json("controller/state.json")
+        return self._get_json(StoreLayout.CONTROLLER_STATE)
 
     # --- trainer metrics and state -------------------------------------------------------------
     def write_metrics(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
@@ -693,11 +767,11 @@ class RunStore:
             if key == "step" and value != step:
                 raise ValueError(f"metrics of step {step} carry step={value!r}")
             record[key] = value
-        self.write_object(f"metrics/trainer/{_step_dir(step)}.json", _json_bytes(record))
+        self.write_object(StoreLayout.step_figures(step), _json_bytes(record))
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """Every step's trainer metrics, by step."""
-        paths = self._glob("metrics/trainer/step-*.json")
+        paths = self._glob(f"{StoreLayout.STEP_FIGURES}/{StoreLayout.STEP_GLOB}.json")
         if not paths:
             return []
         records = []
@@ -730,12 +804,12 @@ class RunStore:
         )
         sink = io.BytesIO()
         pq.write_table(table, sink, compression="zstd")
-        self.write_object(f"metrics/tokens/{_step_dir(step)}.parquet", sink.getvalue())
+        self.write_object(StoreLayout.token_logprobs(step), sink.getvalue())
 
     def read_token_logprobs(self, step: int, trial: str) -> dict[int, list[float | None]] | None:
         """`trial`'s training log-probs of `step` by segment index; None when the trainer wrote none for
         that step (an older trainer, a skipped step), {} when the trial was not trained on (filtered)."""
-        data = self._get(f"metrics/tokens/{_step_dir(step)}.parquet")
+        data = self._get(StoreLayout.token_logprobs(step))
         if data is None:
             return None
         try:
@@ -752,11 +826,11 @@ class RunStore:
     def write_trainer_state(self, state: TrainerState | Mapping[str, Any]) -> None:
         """Replace the trainer's resume pointer (last completed step, policy version, checkpoint)."""
         body = state.to_json() if isinstance(state, TrainerState) else dict(state)
-        self.write_object("trainer/state.json", _json_bytes(body))
+        self.write_object(StoreLayout.TRAINER_STATE, _json_bytes(body))
 
     def read_trainer_state(self) -> dict[str, Any] | None:
         """The trainer's resume pointer, or None before the trainer wrote one."""
-        return self._get_json("trainer/state.json")
+        return self._get_json(StoreLayout.TRAINER_STATE)
 
     def trainer_state(self) -> TrainerState | None:
         """The trainer's resume pointer, typed; None before the trainer wrote one."""

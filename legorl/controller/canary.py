@@ -36,7 +36,7 @@ from typing import Any
 
 from legorl.api.figures import ScoringAnswer, ValidationCheck, ValidationReport, ValidationResult
 from legorl.api.kinds import RLRun
-from legorl.api.store import RunStore
+from legorl.api.store import RunStore, StoreLayout
 from legorl.api.termination import INFRA_REASONS
 from legorl.api.trajectory import TrialRecord
 from legorl.manifests.preflight import check_resource
@@ -46,7 +46,8 @@ ROUTING_AGREEMENT_FLOOR = 0.9
 """Below this share of (token, MoE layer) pairs routed as the trainer's router would, routing parity fails."""
 ROUTING_AGREEMENT_GOOD = 0.99
 """From this share on it passes; in between, near-ties (a bf16 engine against an fp32 trainer) are many."""
-VALIDATION_OBJECT = "validation/latest.json"
+VALIDATION_OBJECT = StoreLayout.VALIDATION
+"""Where the last canary's report lands in the run store."""
 CANARY_TRIAL_PREFIX = "canary-"
 """A canary's trial ids start with this; a run's own trials never do (`s<step>-...`, `e<step>-...`)."""
 

@@ -26,10 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from legorl.api.figures import EvalSummary, StepFigures
 from legorl.api.run import Algorithm, FidelityGuard, Schedule, StopConditions, TrainerSpec, TrajectoryFilter
-from legorl.api.store import RunStore, StoreError, parse_policy_version
+from legorl.api.store import RunStore, StoreError, StoreLayout, parse_policy_version
 from legorl.api.termination import INFRA_REASONS
 from legorl.api.trajectory import TRIAL_SCHEMA, SchemaVersionError, check_schema
-from legorl.api.weights import PUBLISHED_MARKER, PublishedWeights
+from legorl.api.weights import PublishedWeights
 
 __all__ = [
     "AGENT_STAGES",
@@ -395,7 +395,7 @@ class RunFacts(_Facts):
         committed = store.committed_steps()
         for step in committed:
             ref = store.batch_ref(step)
-            rows = _read_trials(store, f"batches/step-{step:06d}/trials.parquet")
+            rows = _read_trials(store, StoreLayout.batch_trials(step))
             steps.append(
                 StepFacts(
                     step=step,
@@ -411,7 +411,7 @@ class RunFacts(_Facts):
         for step in store.saved_steps("train"):
             if step in done:
                 continue
-            paths = store.fs.glob(store.fs_path(f"trials/train/step-{step:06d}/*.parquet"))
+            paths = store.fs.glob(store.fs_path(f"{StoreLayout.trials('train', step)}/*.parquet"))
             rows = [row for path in sorted(paths) for row in _read_trials(store, path)]
             steps.append(
                 StepFacts(step=step, committed=False, metrics=_scalars(metrics.get(step, {})), trials=rows)
@@ -469,7 +469,7 @@ def _trial(row: Mapping[str, Any]) -> TrialFacts:
 def _published_times(store: RunStore) -> dict[int, datetime]:
     """Publication time of each policy version, by step (one listing, one read per marker)."""
     store.fs.invalidate_cache()
-    paths = store.fs.glob(store.fs_path(f"weights/*/{PUBLISHED_MARKER}"))
+    paths = store.fs.glob(store.fs_path(StoreLayout.weights_marker("*")))
     out: dict[int, datetime] = {}
     if not paths:
         return out

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from legorl.api.store import StoreLayout
+
 from .data import NotFound, StoreData
 from .kube import ApiError, KubeSource
 from .settings import UiSettings
@@ -67,7 +69,9 @@ class Catalog:
             children = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
             for child in children:
                 for candidate in (child / "store", child):
-                    if (candidate / "run.json").is_file() or (candidate / "controller").is_dir():
+                    if (candidate / StoreLayout.RUN).is_file() or (
+                        candidate / StoreLayout.CONTROLLER_STATE
+                    ).parent.is_dir():
                         uris.append(str(candidate))
                         break
         return uris

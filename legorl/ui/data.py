@@ -28,7 +28,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from legorl.api.figures import EvalSummary, FiguresError, StepFigures, TrainerState, ValidationReport
-from legorl.api.store import RunStore, StoreError, parse_policy_version
+from legorl.api.store import RunStore, StoreError, StoreLayout, parse_policy_version
 from legorl.api.termination import INFRA_REASONS, TerminationReason
 from legorl.api.trajectory import TRIAL_SCHEMA, decode_routing
 from legorl.api.weights import PUBLISHED_MARKER
@@ -278,11 +278,11 @@ class StoreData:
 
     # --- run-level records ---------------------------------------------------------------------
     def run_spec(self) -> dict[str, Any] | None:
-        return self._json("run.json")
+        return self._json(StoreLayout.RUN)
 
     def validation(self) -> dict[str, Any] | None:
         """The last canary's report (`legorl run --canary`, or the operator's), as the overview shows it."""
-        raw = self._json("validation/latest.json")
+        raw = self._json(StoreLayout.VALIDATION)
         reports = _decoded(ValidationReport, [raw]) if raw else []
         if not reports:
             return None
@@ -307,25 +307,25 @@ class StoreData:
         return posixpath.basename(self.uri.rstrip("/")) or "run"
 
     def controller_state(self) -> dict[str, Any] | None:
-        return self._json("controller/state.json")
+        return self._json(StoreLayout.CONTROLLER_STATE)
 
     def trainer_state(self) -> dict[str, Any] | None:
-        return self._json("trainer/state.json")
+        return self._json(StoreLayout.TRAINER_STATE)
 
     def committed_steps(self) -> list[int]:
         steps = []
-        for step in self._steps_of(self._list("batches")):
-            if "COMMIT.json" in self._list(f"batches/step-{step:06d}"):
+        for step in self._steps_of(self._list(StoreLayout.BATCHES)):
+            if StoreLayout.BATCH_MARKER in self._list(StoreLayout.batch(step)):
                 steps.append(step)
         return steps
 
     def commit(self, step: int) -> dict[str, Any] | None:
-        return self._json(f"batches/step-{step:06d}/COMMIT.json")
+        return self._json(StoreLayout.batch_marker(step))
 
     def evals(self) -> list[dict[str, Any]]:
         out = []
-        for step in self._steps_of(self._list("evals"), ".json"):
-            record = self._json(f"evals/step-{step:06d}.json")
+        for step in self._steps_of(self._list(StoreLayout.EVALS), ".json"):
+            record = self._json(StoreLayout.eval_summary(step))
             if record is not None:
                 out.append(record)
         return out
@@ -340,20 +340,20 @@ class StoreData:
 
     def metrics(self) -> list[dict[str, Any]]:
         out = []
-        for step in self._steps_of(self._list("metrics/trainer"), ".json"):
-            record = self._json(f"metrics/trainer/step-{step:06d}.json")
+        for step in self._steps_of(self._list(StoreLayout.STEP_FIGURES), ".json"):
+            record = self._json(StoreLayout.step_figures(step))
             if record is not None:
                 out.append(record)
         return out
 
     def published_versions(self) -> list[str]:
         versions = []
-        for name in self._list("weights"):
+        for name in self._list(StoreLayout.WEIGHTS):
             try:
                 step = parse_policy_version(name)
             except ValueError:
                 continue
-            if PUBLISHED_MARKER in self._list(f"weights/{name}"):
+            if PUBLISHED_MARKER in self._list(StoreLayout.weights(name)):
                 versions.append((step, name))
         return [name for _, name in sorted(versions)]
 
@@ -362,7 +362,7 @@ class StoreData:
         if self.root is None:
             return None
         try:
-            return (self.root / "controller" / "state.json").stat().st_mtime
+            return (self.root / StoreLayout.CONTROLLER_STATE).stat().st_mtime
         except FileNotFoundError:
             return None
 
@@ -390,17 +390,17 @@ class StoreData:
     def _step_rows(self, split: str, step: int, committed: bool) -> list[dict[str, Any]]:
         """Summaries of one step's trials: the committed batch if there is one, else the saved trials."""
         if committed and split == "train":
-            marker = f"batches/step-{step:06d}/COMMIT.json"
+            marker = StoreLayout.batch_marker(step)
 
             def from_batch() -> list[dict[str, Any]]:
-                path = self.store.fs_path(f"batches/step-{step:06d}/trials.parquet")
+                path = self.store.fs_path(StoreLayout.batch_trials(step))
                 rows = self._read_rows([path], SUMMARY_COLUMNS)
                 for row in rows:
                     row["committed"] = True
                 return rows
 
             return self._cached(("batch-rows", step), self._sig(marker), from_batch)
-        folder = f"trials/{split}/step-{step:06d}"
+        folder = StoreLayout.trials(split, step)
 
         def from_saved() -> list[dict[str, Any]]:
             names = [n for n in self._list(folder) if n.endswith(".parquet") and not n.startswith(".")]
@@ -425,7 +425,7 @@ class StoreData:
         keys: list[tuple[str, int, bool]] = [("train", s, True) for s in committed]
         done = set(committed)
         for split in ("train", "validation"):
-            for step in self._steps_of(self._list(f"trials/{split}")):
+            for step in self._steps_of(self._list(StoreLayout.trials(split))):
                 if split == "train" and step in done:
                     continue
                 keys.append((split, step, False))
@@ -438,11 +438,11 @@ class StoreData:
             *(
                 self._sig(p)
                 for p in (
-                    "metrics/trainer",
-                    "evals",
-                    "controller/state.json",
-                    "run.json",
-                    "trainer/state.json",
+                    StoreLayout.STEP_FIGURES,
+                    StoreLayout.EVALS,
+                    StoreLayout.CONTROLLER_STATE,
+                    StoreLayout.RUN,
+                    StoreLayout.TRAINER_STATE,
                 )
             ),
         )
@@ -465,8 +465,8 @@ class StoreData:
 
     def _sig_of_rows(self, split: str, step: int, committed: bool) -> Any:
         if committed:
-            return self._sig(f"batches/step-{step:06d}/COMMIT.json")
-        return self._sig(f"trials/{split}/step-{step:06d}")
+            return self._sig(StoreLayout.batch_marker(step))
+        return self._sig(StoreLayout.trials(split, step))
 
     def query_trials(self, q: TrialQuery) -> dict[str, Any]:
         rows = self._ordered(q.sort, q.order)
@@ -692,7 +692,7 @@ class StoreData:
 
     def outcomes(self) -> dict[str, Any]:
         """Per training step: trials by termination reason, dropped share, zero-variance groups."""
-        return self.memo("outcomes", (self._trial_keys()[1], self._sig("run.json")), self._outcomes)
+        return self.memo("outcomes", (self._trial_keys()[1], self._sig(StoreLayout.RUN)), self._outcomes)
 
     def _outcomes(self) -> dict[str, Any]:
         drop = set(((self.run_spec() or {}).get("spec") or {}).get("filter", {}).get("dropReasons") or INFRA)
@@ -805,7 +805,7 @@ class StoreData:
             candidates.append(self._tokenizer_path)
         if self.root is not None:
             for version in reversed(self.published_versions()):
-                candidates.append(self.root / "weights" / version / "tokenizer.json")
+                candidates.append(self.root / StoreLayout.weights(version) / "tokenizer.json")
             checkpoint = (((self.run_spec() or {}).get("spec") or {}).get("policy") or {}).get("checkpoint")
             uri = (checkpoint or {}).get("uri") if isinstance(checkpoint, dict) else None
             if isinstance(uri, str) and (uri.startswith("/") or uri.startswith("file://")):
@@ -828,7 +828,7 @@ class StoreData:
         if summary is None:
             raise NotFound(f"no trial {trial!r} in run {self.name()!r}")
         split, step = summary["split"], summary["step"]
-        saved = f"trials/{split}/step-{step:06d}/{trial}.parquet"
+        saved = StoreLayout.saved_trial(split, step, trial)
         table: pa.Table | None = None
         try:
             with self.store.fs.open(self.store.fs_path(saved), "rb") as f:
@@ -836,7 +836,7 @@ class StoreData:
         except FileNotFoundError:
             table = None
         if table is None and summary.get("committed"):
-            path = self.store.fs_path(f"batches/step-{step:06d}/trials.parquet")
+            path = self.store.fs_path(StoreLayout.batch_trials(step))
             with self.store.fs.open(path, "rb") as f:
                 table = pq.read_table(f, filters=[("trial", "=", trial)])
         if table is None or table.num_rows == 0:

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 from legorl.api._base import GROUP_VERSION
 from legorl.api.common import EnvVar, Placement, PodIdentity, ResourceRequirements
 from legorl.api.kinds import Resource
-from legorl.api.labels import COMPONENT_LABEL, HASH_ANNOTATION, OWNER_LABEL
+from legorl.api.labels import COMPONENT_LABEL, HASH_ANNOTATION, OWNER_LABEL, PREFIX
 
 MANAGED_BY = "legorl-operator"
 """Value of `app.kubernetes.io/managed-by` on every child; the operator watches only these."""
@@ -115,7 +115,7 @@ def labels(res: Resource, component: str, app: str) -> dict[str, str]:
         "app.kubernetes.io/managed-by": MANAGED_BY,
         OWNER_LABEL: owner_key(res.kind, name),
         COMPONENT_LABEL: component,
-        f"legorl.dev/{_kind_label(res.kind)}": label_value(name),
+        f"{PREFIX}{_kind_label(res.kind)}": label_value(name),
     }
 
 
