@@ -1,6 +1,6 @@
 """The proxy's ASGI application: three client APIs in, one engine API out, every turn journaled.
 
-Routes (a `/v1` prefix is optional, query strings are ignored):
+Routes (a `/v1` prefix is optional, as is a trailing slash; query strings are ignored):
 
 - `POST /v1/chat/completions`, `POST /v1/responses`, `POST /v1/messages`: model calls, streaming
   or not, answered in the client's own schema and error format.
@@ -10,6 +10,10 @@ Routes (a `/v1` prefix is optional, query strings are ignored):
 - `GET /trajectory` (end state, segments, merge share; `?tokens=false` for a summary),
   `GET /turns` (journaled turns), `POST /finish` (the harness's exit; returns the end state).
 - `HEAD /` answers 200 (Claude Code probes it before its first call).
+
+Starlette routes them and runs the lifespan. The model calls are plain ASGI endpoints inside its
+router, so the relay reads the body, watches for the client going away and writes the engine's
+stream itself, one write per engine read.
 
 The order inside a model call is the point of the whole component: the engine's answer is
 checked, turned into a `Turn` and fsync'd to the journal, and only then does the harness get the
@@ -21,14 +25,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from contextlib import aclosing
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route, Router
+from starlette.types import Message, Receive, Scope, Send
 
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import ApiFormat
@@ -58,16 +68,12 @@ __all__ = ["ProxyApp"]
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 _FORMATS: dict[str, ClientFormat] = {
     "/chat/completions": chat,
     "/responses": responses,
     "/messages": anthropic,
 }
+_COUNT_TOKENS = "/messages/count_tokens"
 _SETTING_FORMAT = {
     "OpenAIChatCompletions": ApiFormat.OPENAI_CHAT,
     "OpenAIResponses": ApiFormat.OPENAI_RESPONSES,
@@ -107,33 +113,17 @@ class _NoTracer:
         return _NO_SPAN
 
 
-@dataclass
-class _Request:
-    method: str
-    path: str
-    query: str
-    headers: dict[str, str]
-    raw_body: bytes = b""
-    """The body as it arrived (recorded on the turn as the harness sent it)."""
-
-
 def _json_bytes(body: Any) -> bytes:
     return fastjson.dumps(body)
 
 
-async def _send_json(
-    send: Send, status: int, body: Any, headers: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    data = _json_bytes(body)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-            + (headers or []),
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
+class _Json(Response):
+    """A JSON answer, encoded by the same library as every other body the proxy sends (orjson)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return _json_bytes(content)
 
 
 class _Disconnect:
@@ -175,6 +165,20 @@ class _Call:
     t0: float = field(default_factory=time.perf_counter)
 
 
+class _ModelCalls:
+    """One client API's model-call endpoint. An ASGI callable, not a request function, so Starlette's
+    `Route` hands it scope, receive and send as the server gave them: the relay needs `receive` after
+    the body (to see the client go away) and writes the engine's stream itself."""
+
+    def __init__(self, proxy: ProxyApp, fmt: ClientFormat) -> None:
+        self.proxy = proxy
+        self.fmt = fmt
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw, body = await self.proxy._read_json(Headers(scope=scope), receive)
+        await self.proxy._model_call(self.fmt, raw, body, receive, send)
+
+
 class ProxyApp:
     """One trial's proxy. Give it to any ASGI server (the CLI uses uvicorn)."""
 
@@ -204,6 +208,26 @@ class ProxyApp:
         self._admission: asyncio.Semaphore | None = None
         self._startup_lock: asyncio.Lock | None = None
         self.expected_format = _SETTING_FORMAT.get(settings.api_format or "")
+        # The model calls first: the router tries the routes in order.
+        self.router = Router(
+            [
+                *(Route(path, _ModelCalls(self, fmt), methods=["POST"]) for path, fmt in _FORMATS.items()),
+                Route(_COUNT_TOKENS, self._count_tokens, methods=["POST"]),
+                Route("/models", self._models),
+                Route("/health", self._health),
+                Route("/healthz", self._health),
+                Route("/ready", self._ready),
+                Route("/metrics", self._metrics),
+                Route("/trajectory", self._trajectory),
+                Route("/turns", self._turns),
+                Route("/changes", self._changes),
+                Route("/finish", self._finish, methods=["POST"]),
+                Route("/", self._probe, methods=["HEAD"]),
+            ],
+            # A trailing slash is served, not redirected (`__call__` strips it).
+            redirect_slashes=False,
+            lifespan=self._lifespan,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -222,22 +246,31 @@ class ProxyApp:
         if self.trial is not None:
             await asyncio.to_thread(self.trial.close)
 
+    @asynccontextmanager
+    async def _lifespan(self, app: object) -> AsyncIterator[None]:
+        # A failed startup reaches the server as Starlette's `lifespan.startup.failed`, with the
+        # traceback, which uvicorn logs before it exits.
+        await self.startup()
+        try:
+            yield
+        finally:
+            await self.shutdown()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-            return
+        # Under an app, Starlette's router raises its misses (no such path: 404, not that method: 405)
+        # as HTTPException, which is answered below in the client's own error format.
+        scope["app"] = self
         if scope["type"] != "http":
+            await self.router(scope, receive, send)  # the lifespan
             return
-        if self.trial is None:
+        if self.trial is None:  # a server that runs no lifespan
             if self._startup_lock is None:
                 self._startup_lock = asyncio.Lock()
             async with self._startup_lock:
                 await self.startup()
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        # The routes are named without the optional `/v1` prefix and trailing slash.
         path = scope["path"].rstrip("/") or "/"
-        if path.startswith("/v1/"):
-            path = path[3:]
-        request = _Request(scope["method"], path, scope.get("query_string", b"").decode("latin-1"), headers)
+        scope["path"] = path[3:] if path.startswith("/v1/") else path
         started = False
 
         async def tracked(message: Message) -> None:
@@ -246,88 +279,51 @@ class ProxyApp:
             await send(message)
 
         try:
-            await self._route(request, receive, tracked)
+            await self.router(scope, receive, tracked)
+        except HTTPException as miss:
+            await self._send_error(scope, receive, send, self._no_route(scope, miss))
         except ProxyError as error:
             if not started:  # mid-answer, the format's own error event has already been sent
-                await self._send_error(request, send, error)
+                await self._send_error(scope, receive, send, error)
         except Exception as exc:  # a bug must still answer in the client's format
-            log.exception("unexpected error serving %s %s", request.method, request.path)
+            log.exception("unexpected error serving %s %s", scope["method"], scope["path"])
             self.metrics.inc("legorl_proxy_errors_total", kind="proxy_error")
             if started:
                 return  # mid-answer: nothing well-formed can follow; the client sees a cut stream
             failure = ProxyError("proxy_error", f"the proxy failed: {type(exc).__name__}: {exc}")
-            await self._send_error(request, send, failure)
+            await self._send_error(scope, receive, send, failure)
 
-    async def _send_error(self, request: _Request, send: Send, error: ProxyError) -> None:
+    @staticmethod
+    def _no_route(scope: Scope, miss: HTTPException) -> ProxyError:
+        path = scope["path"]
+        # A client API's path with the wrong method is that API's 405; the proxy's own endpoints, like
+        # any other path, have no route for it.
+        if miss.status_code == 405 and (path in _FORMATS or path == _COUNT_TOKENS):
+            return ProxyError("method_not_allowed", f"{path} takes POST")
+        return ProxyError("not_found", f"no route {scope['method']} {path}")
+
+    async def _send_error(self, scope: Scope, receive: Receive, send: Send, error: ProxyError) -> None:
         # An ended trial's errors are permanent: tell the SDKs (which retry 409 and 5xx by default)
         # not to ask again, so the harness stops instead of hammering a trial that is over.
         over = self.trial is not None and self.trial.end is not None
-        headers = [(b"x-should-retry", b"false")] if over else []
-        await _send_json(send, error.http_status, error_body(self._format_for(request), error), headers)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    await self.startup()
-                except Exception as exc:
-                    log.exception("proxy startup failed")
-                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        headers = {"x-should-retry": "false"} if over else None
+        await _Json(error_body(self._format_for(scope), error), error.http_status, headers)(
+            scope, receive, send
+        )
 
     @staticmethod
-    def _format_for(request: _Request) -> ApiFormat | None:
-        if request.path.startswith("/messages") or "anthropic-version" in request.headers:
+    def _format_for(scope: Scope) -> ApiFormat | None:
+        path = scope["path"]
+        if path.startswith("/messages") or "anthropic-version" in Headers(scope=scope):
             return ApiFormat.ANTHROPIC_MESSAGES
-        if request.path == "/responses":
+        if path == "/responses":
             return ApiFormat.OPENAI_RESPONSES
         return ApiFormat.OPENAI_CHAT
 
-    # -- routing ---------------------------------------------------------------------------------
-
-    async def _route(self, request: _Request, receive: Receive, send: Send) -> None:
-        method, path = request.method, request.path
-        if path in _FORMATS or path == "/messages/count_tokens":
-            if method != "POST":
-                raise ProxyError("method_not_allowed", f"{path} takes POST")
-            body = await self._read_json(request, receive)
-            if path == "/messages/count_tokens":
-                await self._count_tokens(body, send)
-            else:
-                await self._model_call(_FORMATS[path], body, request, receive, send)
-            return
-        if method == "HEAD" and path == "/":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        if method == "GET":
-            handler = {
-                "/models": self._models,
-                "/health": self._health,
-                "/healthz": self._health,
-                "/ready": self._ready,
-                "/metrics": self._metrics,
-                "/trajectory": self._trajectory,
-                "/turns": self._turns,
-                "/changes": self._changes,
-            }.get(path)
-            if handler is not None:
-                await handler(request, send)
-                return
-        if method == "POST" and path == "/finish":
-            await self._finish(await self._read_json(request, receive), send)
-            return
-        raise ProxyError("not_found", f"no route {method} {request.path}")
-
-    async def _read_json(self, request: _Request, receive: Receive) -> dict[str, Any]:
+    async def _read_json(self, headers: Headers, receive: Receive) -> tuple[bytes, dict[str, Any]]:
+        """The request body as it arrived (recorded on the turn as the harness sent it) and as JSON."""
         cap = self.settings.max_body_bytes
-        declared = request.headers.get("content-length")
+        declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > cap:
             raise ProxyError("too_large", f"the request body is over the proxy's {cap}-byte limit")
         chunks: list[bytes] = []
@@ -343,21 +339,21 @@ class ProxyApp:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        request.raw_body = b"".join(chunks)
+        raw = b"".join(chunks)
         try:
             # Strict: NaN/Infinity, lone surrogates and nesting past 1024 levels are refused here,
             # since none of them could be sent on to the engine.
-            body = fastjson.loads(request.raw_body)
+            body = fastjson.loads(raw)
         except fastjson.JSONDecodeError as exc:
             raise ProxyError("invalid_request", f"the request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise ProxyError("invalid_request", "the request body must be a JSON object")
-        return body
+        return raw, body
 
     # -- model calls -----------------------------------------------------------------------------
 
     async def _model_call(
-        self, fmt: ClientFormat, body: dict[str, Any], request: _Request, receive: Receive, send: Send
+        self, fmt: ClientFormat, raw: bytes, body: dict[str, Any], receive: Receive, send: Send
     ) -> None:
         assert self.trial is not None and self.upstream is not None
         api_format: ApiFormat = fmt.API_FORMAT
@@ -386,7 +382,7 @@ class ProxyApp:
                     call = _Call(
                         fmt=fmt,
                         prepared=prepared,
-                        raw_request=request.raw_body,
+                        raw_request=raw,
                         send=send,
                         disconnect=disconnect,
                         span=span,
@@ -560,26 +556,27 @@ class ProxyApp:
         if chunks:
             await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
 
-    async def _count_tokens(self, body: dict[str, Any], send: Send) -> None:
+    async def _count_tokens(self, request: Request) -> Response:
         assert self.upstream is not None
+        _, body = await self._read_json(request.headers, request.receive)
         body = {**body, "max_tokens": body.get("max_tokens") or 1}
         prepared = anthropic.prepare(body, self.settings)
-        request: dict[str, Any] = {
+        tokenize: dict[str, Any] = {
             "model": self.settings.served_model_name,
             "messages": prepared.body["messages"],
             "add_generation_prompt": True,
         }
         if "tools" in prepared.body:
-            request["tools"] = prepared.body["tools"]
-        data = await self.upstream.tokenize(request)
+            tokenize["tools"] = prepared.body["tools"]
+        data = await self.upstream.tokenize(tokenize)
         count = data.get("count")
         if not isinstance(count, int):
             raise ProxyError("engine_error", "the engine's /tokenize answer has no count")
-        await _send_json(send, 200, {"input_tokens": count})
+        return _Json({"input_tokens": count})
 
     # -- everything else -------------------------------------------------------------------------
 
-    async def _models(self, request: _Request, send: Send) -> None:
+    async def _models(self, request: Request) -> Response:
         name = self.settings.served_model_name
         if "anthropic-version" in request.headers:
             model: dict[str, Any] = {
@@ -588,41 +585,33 @@ class ProxyApp:
                 "display_name": name,
                 "created_at": "1970-01-01T00:00:00Z",
             }
-            await _send_json(
-                send, 200, {"data": [model], "has_more": False, "first_id": name, "last_id": name}
-            )
-            return
+            return _Json({"data": [model], "has_more": False, "first_id": name, "last_id": name})
         listed: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "legorl"}
-        await _send_json(send, 200, {"object": "list", "data": [listed]})
+        return _Json({"object": "list", "data": [listed]})
 
-    async def _health(self, request: _Request, send: Send) -> None:
-        await _send_json(send, 200, {"status": "ok"})
+    async def _probe(self, request: Request) -> Response:
+        return Response()
 
-    async def _ready(self, request: _Request, send: Send) -> None:
+    async def _health(self, request: Request) -> Response:
+        return _Json({"status": "ok"})
+
+    async def _ready(self, request: Request) -> Response:
         ready = self.trial is not None
-        await _send_json(send, 200 if ready else 503, {"ready": ready})
+        return _Json({"ready": ready}, 200 if ready else 503)
 
-    async def _metrics(self, request: _Request, send: Send) -> None:
-        data = self.metrics.render().encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
-            }
-        )
-        await send({"type": "http.response.body", "body": data})
+    async def _metrics(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def _trajectory(self, request: _Request, send: Send) -> None:
+    async def _trajectory(self, request: Request) -> Response:
         assert self.trial is not None
-        tokens = "tokens=false" not in request.query
-        await _send_json(send, 200, self.trial.trajectory(tokens=tokens))
+        tokens = request.query_params.get("tokens") != "false"
+        return _Json(self.trial.trajectory(tokens=tokens))
 
-    async def _turns(self, request: _Request, send: Send) -> None:
+    async def _turns(self, request: Request) -> Response:
         assert self.trial is not None
-        await _send_json(send, 200, {"turns": [turn_to_record(t) for t in self.trial.turns]})
+        return _Json({"turns": [turn_to_record(t) for t in self.trial.turns]})
 
-    async def _changes(self, request: _Request, send: Send) -> None:
+    async def _changes(self, request: Request) -> Response:
         """The agent's changes against setup's baseline (read-only mounts; meant for after the
         agent has exited). The change set is read without running anything in the workspace."""
         settings = self.settings
@@ -637,10 +626,11 @@ class ProxyApp:
             result = await asyncio.to_thread(capture)
         except (OSError, ValueError, KeyError) as exc:
             raise ProxyError("proxy_error", f"could not read the workspace's changes: {exc}") from exc
-        await _send_json(send, 200, result)
+        return _Json(result)
 
-    async def _finish(self, body: dict[str, Any], send: Send) -> None:
+    async def _finish(self, request: Request) -> Response:
         assert self.trial is not None
+        _, body = await self._read_json(request.headers, request.receive)
         reason = body.get("reason")
         try:
             termination = TerminationReason(str(reason))
@@ -654,4 +644,4 @@ class ProxyApp:
         if detail is not None and not isinstance(detail, str):
             raise ProxyError("invalid_request", "detail must be a string", param="detail")
         end = await self.trial.finish(termination, detail, exit_code)
-        await _send_json(send, 200, {"end": end.to_json(), **self.trial.trajectory(tokens=False)})
+        return _Json({"end": end.to_json(), **self.trial.trajectory(tokens=False)})
