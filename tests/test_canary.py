@@ -17,8 +17,8 @@ from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import Segment, TrialRecord
 from legorl.controller.canary import (
     VALIDATION_OBJECT,
+    CanaryCheck,
     CanaryReport,
-    Check,
     parity_checks,
     preflight_check,
     trial_check,
@@ -135,14 +135,17 @@ def test_preflight_and_the_stored_report(tmp_path: Path) -> None:
         run="tiny-local",
         time="2026-12-01T00:00:00+00:00",
         seconds=95.0,
-        checks=[Check("preflight", "Passed", "ok"), Check("routing-parity", "Warning", "no routing")],
+        checks=[
+            CanaryCheck("preflight", "Passed", "ok"),
+            CanaryCheck("routing-parity", "Warning", "no routing"),
+        ],
     )
     assert report.result == "Warning" and "routing-parity  Warning" in report.text()
     store = RunStore(str(tmp_path))
     write_report(store, report)
     saved = (tmp_path / VALIDATION_OBJECT).read_text()
     assert '"result": "Warning"' in saved
-    nan = CanaryReport("r", "t", 1.0, [Check("token-parity", "Failed", "x", {"pearson": float("nan")})])
+    nan = CanaryReport("r", "t", 1.0, [CanaryCheck("token-parity", "Failed", "x", {"pearson": float("nan")})])
     write_report(store, nan)  # NaN is not JSON: stored as null
     stored = store.read_validation()
     assert stored is not None and stored["checks"][0]["figures"]["pearson"] is None

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from legorl.api.store import RunStore
 from legorl.api.trajectory import TamperFinding
-from legorl.controller.canary import CanaryReport, Check, write_report
+from legorl.controller.canary import CanaryCheck, CanaryReport, write_report
 from legorl.ui.server import CSP, UiApp
 from legorl.ui.settings import UiSettings
 from legorl.ui.synthetic import write_synthetic_store
@@ -123,9 +123,9 @@ async def test_overview_shows_the_stores_last_canary(tmp_path: Path) -> None:
         time="2026-12-01T09:00:00+00:00",
         seconds=212.0,
         checks=[
-            Check("trial", "Passed", "canary-t0-r0 completed, reward 1"),
-            Check("token-parity", "Passed", "Pearson 0.99990 over 40 tokens", {"pearson": 0.9999}),
-            Check("routing-parity", "Warning", "the engine recorded no routed experts"),
+            CanaryCheck("trial", "Passed", "canary-t0-r0 completed, reward 1"),
+            CanaryCheck("token-parity", "Passed", "Pearson 0.99990 over 40 tokens", {"pearson": 0.9999}),
+            CanaryCheck("routing-parity", "Warning", "the engine recorded no routed experts"),
         ],
         trial="canary-t0-r0",
     )

@@ -23,7 +23,7 @@ import pytest
 
 from legorl.api.store import RunStore
 from legorl.api.trajectory import TamperFinding
-from legorl.controller.canary import CanaryReport, Check, write_report
+from legorl.controller.canary import CanaryCheck, CanaryReport, write_report
 from legorl.ui.server import start_in_thread
 from legorl.ui.synthetic import write_synthetic_store
 
@@ -68,8 +68,8 @@ def _plant(store_dir: Path) -> None:
             time="2026-12-01T09:00:00+00:00",
             seconds=180.0,
             checks=[
-                Check("trial", "Passed", "canary-t0-r0 completed, reward 0"),
-                Check("token-parity", "Failed", "Pearson 0.4100 over 52 tokens is below 0.99"),
+                CanaryCheck("trial", "Passed", "canary-t0-r0 completed, reward 0"),
+                CanaryCheck("token-parity", "Failed", "Pearson 0.4100 over 52 tokens is below 0.99"),
             ],
             trial="canary-t0-r0",
         ),

@@ -53,7 +53,7 @@ CANARY_TRIAL_PREFIX = "canary-"
 
 
 @dataclass
-class Check:
+class CanaryCheck:
     check: str
     result: Result
     message: str
@@ -65,12 +65,12 @@ class CanaryReport:
     run: str
     time: str
     seconds: float
-    checks: list[Check]
+    checks: list[CanaryCheck]
     trial: str | None = None
 
     @classmethod
     def ended(
-        cls, run: RLRun, started: float, checks: list[Check], record: TrialRecord | None
+        cls, run: RLRun, started: float, checks: list[CanaryCheck], record: TrialRecord | None
     ) -> CanaryReport:
         """The report of a canary of `run` that began at `started` (`time.monotonic()`) and ends now."""
         return cls(
@@ -111,19 +111,19 @@ class CanaryReport:
         return "\n".join(lines)
 
 
-def preflight_check(run: RLRun) -> Check:
+def preflight_check(run: RLRun) -> CanaryCheck:
     problems = check_resource(run)
     errors = [p for p in problems if p.severity == "error"]
     if errors:
-        return Check("preflight", "Failed", "; ".join(f"{p.path}: {p.message}" for p in errors))
+        return CanaryCheck("preflight", "Failed", "; ".join(f"{p.path}: {p.message}" for p in errors))
     if problems:
-        return Check("preflight", "Warning", "; ".join(f"{p.path}: {p.message}" for p in problems))
-    return Check("preflight", "Passed", "no problem found")
+        return CanaryCheck("preflight", "Warning", "; ".join(f"{p.path}: {p.message}" for p in problems))
+    return CanaryCheck("preflight", "Passed", "no problem found")
 
 
-def trial_check(record: TrialRecord | None, waited: float) -> Check:
+def trial_check(record: TrialRecord | None, waited: float) -> CanaryCheck:
     if record is None:
-        return Check("trial", "Failed", f"no result after {waited:.0f} s (see the run's work/logs)")
+        return CanaryCheck("trial", "Failed", f"no result after {waited:.0f} s (see the run's work/logs)")
     figures = {
         "termination_reason": record.termination_reason.value,
         "reward": record.reward,
@@ -132,19 +132,21 @@ def trial_check(record: TrialRecord | None, waited: float) -> Check:
     }
     if record.termination_reason in INFRA_REASONS:
         why = f": {record.error}" if record.error else ""
-        return Check(
+        return CanaryCheck(
             "trial",
             "Failed",
             f"{record.trial} ended {record.termination_reason.value}{why}",
             figures,
         )
     if record.reward is None:
-        return Check(
+        return CanaryCheck(
             "trial", "Failed", f"{record.trial} has no reward: the verifier did not score it", figures
         )
     if not record.segments:
-        return Check("trial", "Failed", f"{record.trial} recorded no tokens: nothing to train on", figures)
-    return Check(
+        return CanaryCheck(
+            "trial", "Failed", f"{record.trial} recorded no tokens: nothing to train on", figures
+        )
+    return CanaryCheck(
         "trial",
         "Passed",
         f"{record.trial} {record.termination_reason.value}, reward {record.reward:g}, "
@@ -153,7 +155,9 @@ def trial_check(record: TrialRecord | None, waited: float) -> Check:
     )
 
 
-def parity_checks(record: TrialRecord, scoring: ScoringAnswer | Mapping[str, Any], run: RLRun) -> list[Check]:
+def parity_checks(
+    record: TrialRecord, scoring: ScoringAnswer | Mapping[str, Any], run: RLRun
+) -> list[CanaryCheck]:
     """Token and routing parity from the trainer's scoring of `record`: its answer (`ScoringAnswer`), or
     `ScoredBatch.fidelity()` in process (tokens, pearson, max/mean |Δ log-prob|, replayed_share), with the
     `policy_version` the trainer held when it scored, where known."""
@@ -166,7 +170,7 @@ def parity_checks(record: TrialRecord, scoring: ScoringAnswer | Mapping[str, Any
             f"the trainer holds {held}, the trial was sampled by {', '.join(sampled)}: "
             "the two cannot be compared (a weight sync happened in between); validate again"
         )
-        return [Check("token-parity", "Warning", why), Check("routing-parity", "Warning", why)]
+        return [CanaryCheck("token-parity", "Warning", why), CanaryCheck("routing-parity", "Warning", why)]
     tokens = int(stats.tokens or 0)
     pearson = _float(stats.pearson)
     figures = {
@@ -176,9 +180,9 @@ def parity_checks(record: TrialRecord, scoring: ScoringAnswer | Mapping[str, Any
         "mean_abs_logprob_delta": _float(stats.mean_abs_logprob_delta),
     }
     if tokens < 2:
-        token = Check("token-parity", "Failed", f"only {tokens} sampled token(s) to compare", figures)
+        token = CanaryCheck("token-parity", "Failed", f"only {tokens} sampled token(s) to compare", figures)
     elif not pearson >= floor:
-        token = Check(
+        token = CanaryCheck(
             "token-parity",
             "Failed",
             f"Pearson {pearson:.4f} over {tokens} tokens is below fidelity.minCorrelation {floor}: the "
@@ -186,7 +190,7 @@ def parity_checks(record: TrialRecord, scoring: ScoringAnswer | Mapping[str, Any
             figures,
         )
     else:
-        token = Check(
+        token = CanaryCheck(
             "token-parity",
             "Passed",
             f"Pearson {pearson:.5f} over {tokens} tokens, max |Δ log-prob| "
@@ -196,14 +200,14 @@ def parity_checks(record: TrialRecord, scoring: ScoringAnswer | Mapping[str, Any
     routed = [s for s in record.segments if s.routed_experts is not None]
     share = _float(stats.replayed_share, 0.0)
     if not routed:
-        routing = Check(
+        routing = CanaryCheck(
             "routing-parity",
             "Warning",
             "the engine recorded no routed experts (vLLM's CPU build, or routedExpertsCapture Disabled): "
             "routing replay cannot be checked here",
         )
     elif share < 1.0:
-        routing = Check(
+        routing = CanaryCheck(
             "routing-parity",
             "Failed",
             f"only {share:.1%} of the scored tokens were routed as the engine routed them "
@@ -215,13 +219,13 @@ def parity_checks(record: TrialRecord, scoring: ScoringAnswer | Mapping[str, Any
     return [token, routing]
 
 
-def _routing_agreement_check(stats: ScoringAnswer, share: float) -> Check:
+def _routing_agreement_check(stats: ScoringAnswer, share: float) -> CanaryCheck:
     """Every scored token was replayed: are the experts replayed the ones these weights route to?"""
     agreement = _float(stats.routing_agreement)
     compared = int(_float(stats.routing_compared, 0.0))
     figures = {"replayed_share": share, "routing_agreement": agreement, "routing_compared": compared}
     if compared == 0 or math.isnan(agreement):
-        return Check(
+        return CanaryCheck(
             "routing-parity",
             "Warning",
             "every scored token was replayed, but the trainer did not compare the engine's experts with its "
@@ -233,7 +237,7 @@ def _routing_agreement_check(stats: ScoringAnswer, share: float) -> Check:
         "trainer's router chooses on the same weights"
     )
     if agreement < ROUTING_AGREEMENT_FLOOR:
-        return Check(
+        return CanaryCheck(
             "routing-parity",
             "Failed",
             f"only {said}: the engine's routing was recorded for other tokens, in another layer order or by "
@@ -242,14 +246,14 @@ def _routing_agreement_check(stats: ScoringAnswer, share: float) -> Check:
             figures,
         )
     if agreement < ROUTING_AGREEMENT_GOOD:
-        return Check(
+        return CanaryCheck(
             "routing-parity",
             "Warning",
             f"{said}: more near-ties than matching dtypes give (engine and trainer dtypes differ?); replay "
             "keeps training on the engine's routing either way",
             figures,
         )
-    return Check(
+    return CanaryCheck(
         "routing-parity", "Passed", f"every scored token replayed the engine's routing; {said}", figures
     )
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from legorl.api.trajectory import TrialRecord
 from legorl.controller.canary import (
     VALIDATION_OBJECT,
+    CanaryCheck,
     CanaryReport,
-    Check,
     parity_checks,
     preflight_check,
     trial_check,
@@ -29,7 +29,7 @@ from legorl.embedded.local import LocalTrialBackend
 if TYPE_CHECKING:
     from legorl.embedded.runner import EmbeddedRun
 
-__all__ = ["VALIDATION_OBJECT", "CanaryReport", "Check", "run_canary"]
+__all__ = ["VALIDATION_OBJECT", "CanaryCheck", "CanaryReport", "run_canary"]
 
 
 def run_canary(embedded: EmbeddedRun) -> CanaryReport:
@@ -74,7 +74,7 @@ def run_canary(embedded: EmbeddedRun) -> CanaryReport:
             scored = PolicyTrainer(settings).score_trials([record])
             checks += parity_checks(record, scored.fidelity(), run)
         else:
-            checks.append(Check("token-parity", "Failed", "no trial tokens to score"))
+            checks.append(CanaryCheck("token-parity", "Failed", "no trial tokens to score"))
     finally:
         if backend is not None:
             backend.close()

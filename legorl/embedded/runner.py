@@ -32,6 +32,7 @@ from typing import Any, TextIO
 
 from legorl.api.fleet import RolloutFleetSpec
 from legorl.api.kinds import RLRun, RolloutFleet
+from legorl.api.labels import owned_fleet_name
 from legorl.api.store import RunStore, policy_version
 from legorl.api.trajectory import TrialRecord
 from legorl.controller.backend import BackendError
@@ -69,7 +70,7 @@ def engine_args(run: RLRun) -> list[str]:
         {
             "apiVersion": "legorl.dev/v1alpha1",
             "kind": "RolloutFleet",
-            "metadata": {"name": f"{run.metadata.name}-fleet"},
+            "metadata": {"name": owned_fleet_name(run.metadata.name)},
             "spec": spec.to_wire(),
         }
     )

@@ -30,13 +30,14 @@ from typing import Literal
 from legorl.api._base import MAX_TEXT
 from legorl.api.conditions import rfc3339
 from legorl.api.kinds import RLRun
+from legorl.api.labels import trainer_name
 from legorl.api.run import ValidationCheck, ValidationStatus
 from legorl.api.store import RunStore, StoreError
 from legorl.api.trajectory import TrialRecord
 from legorl.controller.canary import (
     CANARY_TRIAL_PREFIX,
+    CanaryCheck,
     CanaryReport,
-    Check,
     parity_checks,
     preflight_check,
     trial_check,
@@ -88,10 +89,10 @@ def run_canary(
     )
     checks.append(trial_check(record, time.monotonic() - started))
     if record is None or not record.segments:
-        checks.append(Check("token-parity", "Failed", "no trial tokens to score"))
+        checks.append(CanaryCheck("token-parity", "Failed", "no trial tokens to score"))
     elif run.spec.mode != "Train":
         why = "mode Evaluate runs no trainer to score the trial: parity is checked by training runs"
-        checks += [Check("token-parity", "Warning", why), Check("routing-parity", "Warning", why)]
+        checks += [CanaryCheck("token-parity", "Warning", why), CanaryCheck("routing-parity", "Warning", why)]
     else:
         checks += _parity(
             run,
@@ -149,12 +150,12 @@ def _parity(
     progress: Progress,
     score_seconds: float,
     poll_seconds: float,
-) -> list[Check]:
+) -> list[CanaryCheck]:
     request = record.trial
     try:
         store.request_scoring(request, [record])
     except (StoreError, OSError) as exc:
-        return [Check("token-parity", "Failed", f"could not hand the trial to the trainer: {exc}")]
+        return [CanaryCheck("token-parity", "Failed", f"could not hand the trial to the trainer: {exc}")]
     progress(
         f"trial {record.trial} ended {record.termination_reason.value}; waiting for the trainer Job to score "
         "its tokens (it answers between steps, once the policy is loaded)"
@@ -173,13 +174,13 @@ def _parity(
         if time.monotonic() > deadline:
             why = (
                 f"the trainer Job did not score the trial within {score_seconds:.0f} s (is it running? "
-                "kubectl logs job/" + f"{run.metadata.name}-trainer)"
+                f"kubectl logs job/{trainer_name(run.metadata.name)})"
             )
-            return [Check("token-parity", "Failed", why), Check("routing-parity", "Failed", why)]
+            return [CanaryCheck("token-parity", "Failed", why), CanaryCheck("routing-parity", "Failed", why)]
         stop.wait(poll_seconds)
     if answer.error:
         why = f"the trainer could not score the trial: {answer.error}"
-        return [Check("token-parity", "Failed", why), Check("routing-parity", "Failed", why)]
+        return [CanaryCheck("token-parity", "Failed", why), CanaryCheck("routing-parity", "Failed", why)]
     return parity_checks(record, answer, run)
 
 
