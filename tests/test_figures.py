@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from legorl.api.figures import EvalSummary, FiguresError, ScoringAnswer, StepFigures, TrainerState
+from legorl.api.figures import (
+    BatchSummary,
+    EvalSummary,
+    FiguresError,
+    ScoringAnswer,
+    StepFigures,
+    TrainerState,
+)
 from legorl.api.store import RunStore
 
 
@@ -117,3 +124,25 @@ def test_validation_report_round_trip(tmp_path: Path) -> None:
     store.write_validation({**body, "checks": [{"check": "trial", "result": "Fine", "message": "?"}]})
     with pytest.raises(FiguresError, match=r"checks\.0\.result"):
         store.validation_report()
+
+
+def test_a_batch_summary_reads_what_the_controller_committed_and_names_a_bad_field() -> None:
+    # The controller's COMMIT.json meta as it was written before the type: same keys, same order.
+    meta = {
+        "trials": 8,
+        "infra_failures": 1,
+        "kept": 6,
+        "zero_variance_groups": 1,
+        "groups": 2,
+        "reward_mean": 0.5,
+        "policy_versions_seen": ["v0", "v1"],
+        "by_reason": {"completed": 7, "sandbox_error": 1},
+    }
+    summary = BatchSummary.from_json(meta)
+    assert summary.kept == 6 and summary.zero_variance_groups == 1 and summary.reward_mean == 0.5
+    assert json.dumps(summary.to_json()) == json.dumps(meta)
+    # Another writer's meta (a test, a tool): its keys are kept, the counts unknown.
+    other = BatchSummary.from_json({"note": "hand-made"})
+    assert other.groups is None and other.to_json() == {"note": "hand-made"}
+    with pytest.raises(FiguresError, match=r"BatchSummary is malformed: groups"):
+        BatchSummary.from_json({"groups": "two"})

@@ -22,6 +22,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = [
+    "BatchSummary",
     "EvalSummary",
     "FiguresError",
     "ScoringAnswer",
@@ -263,6 +264,29 @@ class EvalSummary(_Document):
     """Trials by termination reason."""
     per_task: dict[str, float] = Field(default_factory=dict)
     """Mean reward by task."""
+
+
+class BatchSummary(_Document):
+    """What the run controller says of a committed batch, in its `COMMIT.json`'s `meta` (`BatchRef.meta`):
+    counts of the step's trials. Every field is optional: a batch committed by another writer (a test, a
+    tool) may carry other keys or none."""
+
+    trials: int | None = None
+    """Trials in the batch."""
+    infra_failures: int | None = None
+    """Of them, those that ended for an infrastructure reason."""
+    kept: int | None = None
+    """Trials that enter the loss (not dropped by reason, with a reward)."""
+    zero_variance_groups: int | None = None
+    """Groups whose kept trials all got the same reward (no advantage to learn from)."""
+    groups: int | None = None
+    """Groups among the kept trials."""
+    reward_mean: float | None = None
+    """Mean reward of the kept trials."""
+    policy_versions_seen: list[str] = Field(default_factory=list)
+    """Every weight version that served a call of the batch's trials, oldest first."""
+    by_reason: dict[str, int] = Field(default_factory=dict)
+    """Trials by termination reason."""
 
 
 class ScoringAnswer(_Document):

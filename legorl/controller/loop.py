@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
-from legorl.api.figures import EvalSummary, StepFigures
+from legorl.api.figures import BatchSummary, EvalSummary, StepFigures
 from legorl.api.kinds import RLRun
 from legorl.api.store import RunStore, parse_policy_version, policy_version
 from legorl.api.termination import INFRA_REASONS, TerminationReason
@@ -446,18 +446,18 @@ class RunController:
         reward_mean = sum(sum(g) for g in groups.values()) / len(kept) if kept else None
         versions = sorted({v for r in records for v in r.policy_versions}, key=_version_key)
         by_reason = dict(sorted(Counter(r.termination_reason.value for r in records).items()))
-        meta: dict[str, Any] = {
-            "trials": len(records),
-            "infra_failures": infra,
-            "kept": len(kept),
-            "zero_variance_groups": zero_var,
-            "groups": len(groups),
-            "reward_mean": reward_mean,
-            "policy_versions_seen": versions,
-            "by_reason": by_reason,
-        }
+        summary = BatchSummary(
+            trials=len(records),
+            infra_failures=infra,
+            kept=len(kept),
+            zero_variance_groups=zero_var,
+            groups=len(groups),
+            reward_mean=reward_mean,
+            policy_versions_seen=versions,
+            by_reason=by_reason,
+        )
         launched_at = min((r.policy_version for r in step.requests.values()), key=parse_policy_version)
-        self.store.commit_batch(step.step, records, policy_version=launched_at, meta=meta)
+        self.store.commit_batch(step.step, records, policy_version=launched_at, meta=summary.to_json())
         self.progress.step = step.step
         self.progress.zero_variance_groups += zero_var
         self.progress.reward_mean = reward_mean
@@ -502,9 +502,9 @@ class RunController:
         for step in committed:
             for record in self.store.read_batch(step).trials:
                 self._count(record)
-            ref = self.store.batch_ref(step)
-            self.progress.zero_variance_groups += int(ref.meta.get("zero_variance_groups", 0))
-            self.progress.reward_mean = ref.meta.get("reward_mean")
+            summary = BatchSummary.from_json(self.store.batch_ref(step).meta)
+            self.progress.zero_variance_groups += summary.zero_variance_groups or 0
+            self.progress.reward_mean = summary.reward_mean
         if committed:
             self.progress.step = committed[-1]
             log.info("resuming after step %d (%d trials recorded)", committed[-1], self.progress.trials_total)

@@ -30,6 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from legorl.api.figures import BatchSummary
 from legorl.api.fleet import RolloutFleetSpec
 from legorl.api.kinds import RLRun, RolloutFleet
 from legorl.api.labels import owned_fleet_name
@@ -212,13 +213,13 @@ def summary(store: RunStore, outcome: RunOutcome, wall_seconds: float) -> str:
     fidelity = {m.step: m.fidelity_pearson for m in store.step_figures()}
     rows = []
     for step in store.committed_steps():
-        meta = store.batch_ref(step).meta
-        reward = meta.get("reward_mean")
+        batch = BatchSummary.from_json(store.batch_ref(step).meta)
+        reward = batch.reward_mean
         fid = fidelity.get(step)
         rows.append(
             f"  step {step:>3}: reward {reward if reward is None else f'{reward:.3f}'}, "
-            f"{meta.get('kept', '?')}/{meta.get('trials', '?')} trials kept, "
-            f"{meta.get('zero_variance_groups', '?')} zero-variance groups, "
+            f"{_known(batch.kept)}/{_known(batch.trials)} trials kept, "
+            f"{_known(batch.zero_variance_groups)} zero-variance groups, "
             f"fidelity {fid if fid is None else f'{fid:.5f}'}"
         )
     if rows:
@@ -558,3 +559,7 @@ def main(argv: list[str], out: TextIO = sys.stdout, configure: Callable[[], None
     except RunError as exc:
         sys.stderr.write(f"legorl run: {exc}\n")
         return 2
+
+
+def _known(count: int | None) -> str:
+    return "?" if count is None else str(count)

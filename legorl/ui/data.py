@@ -27,7 +27,14 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from legorl.api.figures import EvalSummary, FiguresError, StepFigures, TrainerState, ValidationReport
+from legorl.api.figures import (
+    BatchSummary,
+    EvalSummary,
+    FiguresError,
+    StepFigures,
+    TrainerState,
+    ValidationReport,
+)
 from legorl.api.store import RunStore, StoreError, StoreLayout, parse_policy_version
 from legorl.api.termination import INFRA_REASONS, TerminationReason
 from legorl.api.trajectory import TRIAL_SCHEMA, decode_routing
@@ -120,6 +127,15 @@ def _decoded(kind: type[_Document], records: Iterable[Mapping[str, Any]]) -> lis
         except FiguresError as exc:
             log.warning("%s", exc)
     return out
+
+
+def _batch_summary(meta: Mapping[str, Any]) -> BatchSummary:
+    """A batch's `COMMIT.json` meta, typed; a malformed one is logged and read as saying nothing."""
+    try:
+        return BatchSummary.from_json(meta)
+    except FiguresError as exc:
+        log.warning("%s", exc)
+        return BatchSummary()
 
 
 def _num(value: Any) -> float | None:
@@ -660,7 +676,7 @@ class StoreData:
                     series.setdefault(key, []).append([step, v])
         batch_reward = []
         for b in self.batches():
-            v = _num(b["meta"].get("reward_mean"))
+            v = _num(_batch_summary(b["meta"]).reward_mean)
             if v is not None:
                 batch_reward.append([b["step"], v])
         if batch_reward:
@@ -709,14 +725,13 @@ class StoreData:
         steps = []
         for step in sorted(by_step):
             entry = by_step[step]
-            marker = (self.commit(step) or {}).get("meta", {}) if step in committed else {}
+            meta = (self.commit(step) or {}).get("meta") if step in committed else None
+            marker = _batch_summary(meta) if meta else None
             trials = entry["trials"]
             dropped = sum(n for reason, n in entry["by_reason"].items() if reason in drop)
-            if marker:
-                kept = marker.get("kept")
-                dropped_share = (
-                    1 - kept / marker["trials"] if kept is not None and marker.get("trials") else None
-                )
+            if marker is not None:
+                kept = marker.kept
+                dropped_share = 1 - kept / marker.trials if kept is not None and marker.trials else None
             else:
                 dropped_share = dropped / trials if trials else None
             steps.append(
@@ -727,8 +742,8 @@ class StoreData:
                     "by_reason": dict(entry["by_reason"]),
                     "dropped": dropped,
                     "dropped_share": dropped_share,
-                    "zero_variance_groups": marker.get("zero_variance_groups"),
-                    "groups": marker.get("groups"),
+                    "zero_variance_groups": marker.zero_variance_groups if marker else None,
+                    "groups": marker.groups if marker else None,
                     "infra_failures": sum(n for reason, n in entry["by_reason"].items() if reason in INFRA),
                 }
             )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
-from legorl.api.figures import StepFigures
+from legorl.api.figures import BatchSummary, FiguresError, StepFigures
 from legorl.diagnostics._util import median, ranked, runs, steps_phrase
 from legorl.diagnostics.facts import RunFacts, StepFacts, finite
 from legorl.diagnostics.finding import Finding, finding, rule
@@ -234,8 +234,12 @@ def equal_reward_groups(facts: RunFacts) -> Finding | None:
     for step in facts.committed:
         groups = _groups(step, drop)
         if groups is None:
-            total, equal = step.meta.get("groups"), step.meta.get("zero_variance_groups")
-            if not isinstance(total, int) or not isinstance(equal, int) or total <= 0:
+            try:
+                batch = BatchSummary.from_json(step.meta)
+            except FiguresError:
+                continue
+            total, equal = batch.groups, batch.zero_variance_groups
+            if total is None or equal is None or total <= 0:
                 continue
             zeros = ones = None
         else:
