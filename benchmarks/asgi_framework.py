@@ -2,8 +2,9 @@
 
 The question (issue 20): the proxy keeps its own minimal ASGI app only if a framework costs more than
 0.3 ms of server CPU per call. Both servers answer the same trivial endpoint, `POST /v1/chat/completions`:
-read a ~30 KB JSON body, parse it, answer a ~2 KB JSON. One is a raw ASGI callable in the style of
-`proxy/legorl/proxy/app.py` (read `http.request` messages, send `http.response.start` and one body);
+read a ~30 KB JSON body, parse it, answer a ~2 KB JSON. One is a raw ASGI callable in the style of the
+proxy's app before it moved onto Starlette (read `http.request` messages, send `http.response.start` and
+one body);
 the other is a Starlette application (a `Route`, `await request.body()`, a `Response`). Both parse and
 encode with orjson, as the proxy does, so only the framework differs.
 
