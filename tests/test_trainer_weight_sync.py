@@ -686,46 +686,68 @@ def test_the_proxy_records_the_versions_that_served_each_call_across_a_sync(
     # proxy reads /weight_info once, before its first call, and never again. A stream the sync pauses half
     # way records the version it started on and the one it finished on, and its tokens prove it: the first
     # ones carry the old weights' log-probs, the rest the new weights' (transformers fp32 on each).
-    start, published = engine.publish("call-start", seed=71), engine.publish("mid-call", seed=72)
-    with FleetWeightSync([engine.server.url], timeout=60) as fleet:
-        fleet.sync(start)
-    before, old_dir = "call-start", start.path
+    #
+    # Whether the swap lands mid-stream is a race the test cannot rule out: the engine core samples far
+    # faster than its API server streams (a whole answer of the old weights, 755 tokens, can be sampled
+    # before the pause lands), so an attempt whose stream ended first is checked for what it is (one
+    # version, every token the old weights') and another attempt is made with a fresh pair of versions.
     settings = ProxySettings(upstream=engine.server.url, journal=tmp_path / "journal", fsync=False)
     app = ProxyApp(settings)
+    model = SERVED_MODEL_NAME
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "count to ten"}]
+    straddling: dict[str, Any] | None = None
+    seen = 0
     with serve(app) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0) as client:
         chat = client.chat.completions
-        model = SERVED_MODEL_NAME
-        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "count to ten"}]
-        chat.create(model=model, messages=messages, max_tokens=4)
-        assert app.upstream is not None and app.upstream.engine_names_versions
+        for attempt in range(4):
+            before, after = f"call-start-{attempt}", f"mid-call-{attempt}"
+            start = engine.publish(before, seed=71 + 2 * attempt)
+            published = engine.publish(after, seed=72 + 2 * attempt)
+            with FleetWeightSync([engine.server.url], timeout=60) as fleet:
+                fleet.sync(start)
+            chat.create(model=model, messages=messages, max_tokens=4)
+            assert app.upstream is not None and app.upstream.engine_names_versions
 
-        # Greedy: the same tokens up to the swap on every run (measured over 4 runs: 9 to 26 tokens before
-        # the swap, 564 to 3000 after).
-        stream = chat.create(model=model, messages=messages, max_tokens=3000, stream=True, temperature=0)
-        chunks = iter(stream)
-        next(chunks)
-        # Held at once, so the swap lands early in the answer whatever the machine's speed; the sync then
-        # pauses (again), loads, finishes with the version and resumes, as it always does.
-        engine.http.post("/pause", params={"mode": "keep", "clear_cache": "false"}).raise_for_status()
-        with FleetWeightSync([engine.server.url], pause_mode="keep", timeout=60) as fleet:
-            fleet.sync(published)
-        for _ in chunks:
-            pass
-        chat.create(model=model, messages=messages, max_tokens=4)
-    turns = [r for r in read_journal(tmp_path / "journal").records if r["type"] == "turn"]
-    assert [t["policy_versions"] for t in turns] == [[before], [before, "mid-call"], ["mid-call"]]
-
-    straddling = turns[1]
-    prompt, completion = straddling["prompt_token_ids"], straddling["completion_token_ids"]
-    sequence = prompt + completion
-    old, new = reference_logprobs(old_dir, sequence), reference_logprobs(published.path, sequence)
-    positions = range(len(prompt) - 1, len(sequence) - 1)
-    served = straddling["completion_logprobs"]
-    steps = list(zip(positions, completion, served, strict=True))
-    under_old = [abs(lp - old[p, t].item()) < MAX_ABS_DELTA for p, t, lp in steps]
-    under_new = [abs(lp - new[p, t].item()) < MAX_ABS_DELTA for p, t, lp in steps]
+            stream = chat.create(model=model, messages=messages, max_tokens=3000, stream=True, temperature=0)
+            chunks = iter(stream)
+            next(chunks)
+            # Held at once, so the swap lands early in the answer if the engine is still sampling it; the
+            # sync then pauses (again), loads, finishes with the version and resumes, as it always does.
+            engine.http.post("/pause", params={"mode": "keep", "clear_cache": "false"}).raise_for_status()
+            with FleetWeightSync([engine.server.url], pause_mode="keep", timeout=60) as fleet:
+                fleet.sync(published)
+            for _ in chunks:
+                pass
+            chat.create(model=model, messages=messages, max_tokens=4)
+            turns = [r for r in read_journal(tmp_path / "journal").records if r["type"] == "turn"][seen:]
+            seen += len(turns)
+            assert [t["policy_versions"] for t in turns] in (
+                [[before], [before, after], [after]],
+                [[before], [before], [after]],
+            )
+            under_old, under_new = _served_by(turns[1], start.path, published.path)
+            if turns[1]["policy_versions"] == [before]:
+                # The stream was sampled whole before the swap: one version, and its tokens say so.
+                assert all(under_old), f"attempt {attempt}: a token not of {before} recorded under it alone"
+                continue
+            straddling = turns[1]
+            break
+    assert straddling is not None, "no attempt's stream was still being sampled when the swap landed"
+    completion = straddling["completion_token_ids"]
     split = next((i for i, same in enumerate(under_old) if not same), len(completion))
-    print(f"{len(completion)} tokens: the first {split} sampled by {before}, the rest by mid-call")
+    print(f"{len(completion)} tokens: the first {split} sampled by {before}, the rest by {after}")
     assert 0 < split < len(completion)
     assert all(under_old[:split])
     assert all(under_new[split:])
+
+
+def _served_by(turn: dict[str, Any], old_dir: str, new_dir: str) -> tuple[list[bool], list[bool]]:
+    """For each sampled token of `turn`: whether its recorded log-prob is the old weights', the new's."""
+    prompt, completion = turn["prompt_token_ids"], turn["completion_token_ids"]
+    sequence = prompt + completion
+    old, new = reference_logprobs(old_dir, sequence), reference_logprobs(new_dir, sequence)
+    positions = range(len(prompt) - 1, len(sequence) - 1)
+    steps = list(zip(positions, completion, turn["completion_logprobs"], strict=True))
+    under_old = [abs(lp - old[p, t].item()) < MAX_ABS_DELTA for p, t, lp in steps]
+    under_new = [abs(lp - new[p, t].item()) < MAX_ABS_DELTA for p, t, lp in steps]
+    return under_old, under_new
