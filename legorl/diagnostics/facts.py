@@ -28,6 +28,7 @@ from legorl.api.figures import EvalSummary, StepFigures
 from legorl.api.run import Algorithm, FidelityGuard, Schedule, StopConditions, TrainerSpec, TrajectoryFilter
 from legorl.api.store import RunStore, StoreError, StoreLayout, parse_policy_version
 from legorl.api.termination import INFRA_REASONS
+from legorl.api.timestamps import parse_time
 from legorl.api.trajectory import TRIAL_SCHEMA, SchemaVersionError, check_schema
 from legorl.api.weights import PublishedWeights
 
@@ -309,7 +310,7 @@ class PodFacts(_Facts):
             namespace=str(meta.get("namespace") or ""),
             phase=str(status.get("phase") or ""),
             node=_str(spec.get("nodeName")),
-            created_at=_time(meta.get("creationTimestamp")),
+            created_at=parse_time(meta.get("creationTimestamp")),
             labels=labels,
             containers=containers,
         )
@@ -335,11 +336,11 @@ class EventFacts(_Facts):
         count = _int(event.get("count"), None) or _int(series.get("count"), None)
         count = count or _int(event.get("deprecatedCount"), None) or 1
         seen = (
-            _time(series.get("lastObservedTime"))
-            or _time(event.get("lastTimestamp"))
-            or _time(event.get("eventTime"))
-            or _time(event.get("firstTimestamp"))
-            or _time(_dict(event.get("metadata")).get("creationTimestamp"))
+            parse_time(series.get("lastObservedTime"))
+            or parse_time(event.get("lastTimestamp"))
+            or parse_time(event.get("eventTime"))
+            or parse_time(event.get("firstTimestamp"))
+            or parse_time(_dict(event.get("metadata")).get("creationTimestamp"))
         )
         return cls(
             reason=str(event.get("reason") or ""),
@@ -400,7 +401,7 @@ class RunFacts(_Facts):
                 StepFacts(
                     step=step,
                     policy_version=ref.policy_version,
-                    committed_at=_time(ref.created_at),
+                    committed_at=parse_time(ref.created_at),
                     meta=ref.meta,
                     metrics=_scalars(metrics.get(step, {})),
                     published_at=published.get(step),
@@ -480,7 +481,7 @@ def _published_times(store: RunStore) -> dict[int, datetime]:
             marker = PublishedWeights.from_json(json.loads(data))
         except ValueError:
             continue
-        when = _time(marker.published_at)
+        when = parse_time(marker.published_at)
         if when is not None:
             out[step] = when
     return out
@@ -543,15 +544,3 @@ def _float(value: Any, default: float) -> float:
     except (TypeError, ValueError):
         return default
     return number if math.isfinite(number) else default
-
-
-def _time(value: Any) -> datetime | None:
-    if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=UTC)
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
