@@ -7,6 +7,7 @@ stands in for it. A rule added to a model without a case below fails
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from lark.lexer import Token
 
 from legorl.api import KINDS
 from legorl.api.crd import openapi_schema
-from legorl.manifests.structural import _ENV, all_rules, compile_rule, eval_rule
+from legorl.manifests.structural import _ENV, all_rules, cel_violations, compile_rule, eval_rule
 
 # Functions both the Kubernetes CEL environment and cel-python provide. A rule using anything
 # else would be accepted by one evaluator and not the other.
@@ -191,12 +192,27 @@ CASES: dict[str, tuple[list[Any], list[Any]]] = {
         [{"kind": "Codex", "apiFormat": "OpenAIChatCompletions"}],
     ),
     "has(self.heldOutPercent) || has(self.heldOutTaskIds)": (
-        [{"heldOutPercent": 10}, {"heldOutTaskIds": ["t1"]}],
+        [{"heldOutPercent": 10}, {"heldOutTaskIds": ["t1"]}, {"taskSetSplit": "test"}],
         [{}],
     ),
     "!(has(self.heldOutPercent) && has(self.heldOutTaskIds))": (
-        [{"heldOutPercent": 10}, {}],
-        [{"heldOutPercent": 10, "heldOutTaskIds": ["t1"]}],
+        [{"heldOutPercent": 10}, {}, {"heldOutPercent": 0}, {"heldOutTaskIds": [], "taskSetSplit": "test"}],
+        [{"heldOutPercent": 10, "heldOutTaskIds": ["t1"]}, {"heldOutPercent": 0, "heldOutTaskIds": []}],
+    ),
+    "!(has(self.heldOutPercent) && has(self.taskSetSplit))": (
+        [
+            {"taskSetSplit": "validation"},
+            {"heldOutPercent": 10},
+            {"heldOutTaskIds": ["t1"], "taskSetSplit": "test"},
+        ],
+        [{"heldOutPercent": 10, "taskSetSplit": "test"}, {"heldOutPercent": 0, "taskSetSplit": "validation"}],
+    ),
+    "!(has(self.heldOutTaskIds) && has(self.taskSetSplit))": (
+        [{"taskSetSplit": "test"}, {"heldOutTaskIds": ["t1"]}, {"heldOutPercent": 5, "taskSetSplit": "test"}],
+        [
+            {"heldOutTaskIds": ["t1"], "taskSetSplit": "validation"},
+            {"heldOutTaskIds": [], "taskSetSplit": "test"},
+        ],
     ),
     # PPO's baseline is its group's mean too: with one trial per group every advantage is 0 and the
     # zero-variance filter drops every group, so PPO with groupSize 1 would validate and never train.
@@ -324,3 +340,29 @@ def test_rule_passes_and_fails(needle: str) -> None:
         assert eval_rule(rule, obj) is True, f"{rule} should accept {obj}"
     for obj in failing:
         assert eval_rule(rule, obj) is False, f"{rule} should reject {obj}"
+
+
+SPLIT_VALUES = {"heldOutPercent": 10, "heldOutTaskIds": ["t1"], "taskSetSplit": "test"}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [c for n in range(len(SPLIT_VALUES) + 1) for c in itertools.combinations(SPLIT_VALUES, n)],
+    ids=lambda fields: "+".join(fields) or "none",
+)
+def test_split_rules_accept_exactly_one_of_three(fields: tuple[str, ...]) -> None:
+    """The split's rules together: exactly one of the three fields, whatever the combination."""
+    schema = openapi_schema("RLRun")["properties"]["spec"]["properties"]["tasks"]["properties"]["split"]
+    violations = cel_violations(schema, {f: SPLIT_VALUES[f] for f in fields})
+    assert all(v.evaluated for v in violations)
+    if len(fields) == 1:
+        assert violations == []
+    elif not fields:
+        assert [v.path for v in violations] == [""]
+        assert violations[0].message.startswith("set one of heldOutPercent, heldOutTaskIds or taskSetSplit")
+    else:
+        # One violation per pair set together, at the later field of the pair, naming both.
+        pairs = list(itertools.combinations(fields, 2))
+        assert [v.path for v in violations] == [f".{second}" for _, second in pairs]
+        for (first, second), v in zip(pairs, violations, strict=True):
+            assert f"not both {first} and {second}" in v.message

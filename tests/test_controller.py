@@ -8,6 +8,7 @@ tests/test_operator_controller.py (kopf against the API mock).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -25,7 +26,7 @@ from legorl.controller.backend import TrialRequest
 from legorl.controller.loop import RunController
 from legorl.controller.plan import PlanError, TaskPlan, wilson_interval
 from legorl.controller.records import reconcile
-from legorl.sandbox.task import Task, TaskSet
+from legorl.sandbox.task import SPLIT_KEY, Task, TaskSet
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
@@ -44,6 +45,22 @@ def _task(i: int) -> Task:
 
 def task_set(n: int = 10) -> TaskSet:
     return TaskSet(tasks=tuple(_task(i) for i in range(n)), root=Path("/nonexistent"))
+
+
+def labelled_task_set(**counts: int) -> TaskSet:
+    """`counts` tasks per split label (`train=6, validation=3, test=2`), ids `<label>-<i>`; the label
+    `none` makes tasks without one."""
+    tasks = []
+    for label, count in counts.items():
+        extra = {} if label == "none" else {SPLIT_KEY: label}
+        tasks += [
+            dataclasses.replace(_task(i), instance_id=f"{label}-{i}", extra=extra) for i in range(count)
+        ]
+    return TaskSet(tasks=tuple(tasks), root=Path("/nonexistent"))
+
+
+def _ids(tasks: Sequence[Task]) -> set[str]:
+    return {t.instance_id for t in tasks}
 
 
 def make_run(**spec: Any) -> RLRun:
@@ -176,13 +193,24 @@ def alternating(request: TrialRequest) -> tuple[TerminationReason, float | None]
 
 
 def controller(
-    tmp_path: Path, run: RLRun, reward: Reward = alternating, lag: int = 0, n: int = 10
+    tmp_path: Path,
+    run: RLRun,
+    reward: Reward = alternating,
+    lag: int = 0,
+    n: int = 10,
+    *,
+    tasks: TaskSet | None = None,
 ) -> tuple[RunController, ScriptedBackend, FakeTrainer, RunStore]:
     store = RunStore(str(tmp_path / "store"))
     trainer = FakeTrainer(store, lag=lag)
     backend = ScriptedBackend(store, reward, lambda: trainer.step)
     ctl = RunController(
-        run, store=store, backend=backend, task_set=task_set(n), trainer=trainer, poll_seconds=0.0
+        run,
+        store=store,
+        backend=backend,
+        task_set=tasks if tasks is not None else task_set(n),
+        trainer=trainer,
+        poll_seconds=0.0,
     )
     return ctl, backend, trainer, store
 
@@ -210,6 +238,75 @@ def test_plan_refuses_what_cannot_run() -> None:
     ids = [f"task-{i:02d}" for i in range(3)]
     with pytest.raises(PlanError, match="every task is held out"):
         TaskPlan.from_spec(make_run(tasks={"split": {"heldOutTaskIds": ids}}).spec, task_set(3))
+
+
+def test_plan_with_the_task_sets_own_split_trains_on_train_and_holds_out_one_label() -> None:
+    tasks = labelled_task_set(train=6, validation=3, test=2)
+    train_ids = {f"train-{i}" for i in range(6)}
+    for held, other in (("validation", "test"), ("test", "validation")):
+        run = make_run(tasks={"split": {"taskSetSplit": held}, "epochs": 2})
+        plan = TaskPlan.from_spec(run.spec, tasks)
+        assert plan == TaskPlan.from_spec(run.spec, tasks)
+        assert _ids(plan.held_out) == {t.instance_id for t in tasks if t.split == held}
+        assert _ids(plan.train) == train_ids
+        assert len(plan.train) == 12  # each epoch once
+        # The other held-out split never runs, neither in training nor in evaluation.
+        launched = _ids([r.task for r in plan.step_requests(1, "v0") + plan.eval_requests(0, "v0")])
+        for step in range(2, plan.available_steps + 1):
+            launched |= _ids([r.task for r in plan.step_requests(step, "v0")])
+        assert not any(i.startswith(other) for i in launched)
+    # maxTasks caps the training pool only; the held-out split stays whole.
+    capped = TaskPlan.from_spec(
+        make_run(tasks={"split": {"taskSetSplit": "test"}, "maxTasks": 4}).spec, tasks
+    )
+    assert len(capped.train) == 4 and _ids(capped.train) <= train_ids
+    assert _ids(capped.held_out) == {"test-0", "test-1"}
+
+
+@pytest.mark.parametrize(
+    ("tasks", "split", "message"),
+    [
+        (
+            task_set(),
+            "test",
+            "tasks.split.taskSetSplit is 'test' but no task of the task set is labelled legorl_split=test; "
+            "this split needs a task set with split labels such as builtin://tiny-read",
+        ),
+        (
+            labelled_task_set(train=3, validation=2),
+            "test",
+            "no task of the task set is labelled legorl_split=test",
+        ),
+        (labelled_task_set(train=3, test=2, none=1), "test", "but task none-0 has no label (1 of 6 tasks"),
+        (labelled_task_set(train=3, dev=1, test=2), "test", "but task dev-0 is labelled 'dev'"),
+        (
+            labelled_task_set(validation=2, test=2),
+            "test",
+            "no task of the task set is labelled legorl_split=train",
+        ),
+    ],
+    ids=["unlabelled-set", "split-missing", "one-unlabelled", "unknown-label", "nothing-to-train"],
+)
+def test_plan_refuses_a_task_set_split_the_task_set_cannot_give(
+    tasks: TaskSet, split: str, message: str
+) -> None:
+    with pytest.raises(PlanError) as caught:
+        TaskPlan.from_spec(make_run(tasks={"split": {"taskSetSplit": split}}).spec, tasks)
+    assert message in str(caught.value)
+
+
+def test_evaluate_mode_plans_every_task_or_only_the_task_set_split() -> None:
+    tasks = labelled_task_set(train=4, validation=3, test=2)
+    every = TaskPlan.from_spec(make_run(mode="Evaluate").spec, tasks)
+    assert _ids(every.held_out) == _ids(tuple(tasks)) and every.train == ()
+    test = TaskPlan.from_spec(
+        make_run(mode="Evaluate", tasks={"split": {"taskSetSplit": "test"}}).spec, tasks
+    )
+    assert _ids(test.held_out) == {"test-0", "test-1"}
+    # An evaluation needs no training tasks.
+    only_test = labelled_task_set(test=2)
+    evaluate = make_run(mode="Evaluate", tasks={"split": {"taskSetSplit": "test"}})
+    assert _ids(TaskPlan.from_spec(evaluate.spec, only_test).held_out) == {"test-0", "test-1"}
 
 
 def test_wilson_interval() -> None:
@@ -254,6 +351,19 @@ def test_sync_run_commits_every_step_and_evaluates(tmp_path: Path) -> None:
     assert ctl.progress.baseline_solve_rate == 0.5
     state = store.read_controller_state()
     assert state is not None and state["step"] == 3
+
+
+def test_evaluate_run_with_a_task_set_split_scores_only_its_tasks(tmp_path: Path) -> None:
+    run = make_run(mode="Evaluate", tasks={"split": {"taskSetSplit": "test"}})
+    tasks = labelled_task_set(train=4, validation=3, test=2)
+    ctl, backend, _, store = controller(tmp_path, run, tasks=tasks)
+    outcome = ctl.run()
+    assert (outcome.state, outcome.reason) == ("Succeeded", "Evaluated"), outcome.message
+    assert _ids([r.task for r in backend.launched]) == {"test-0", "test-1"}
+    assert len(backend.launched) == 2 * 2  # trialsPerTask each
+    assert {r.split for r in backend.launched} == {"validation"}
+    assert store.committed_steps() == []
+    assert [(e["step"], e["trials"]) for e in store.read_evals()] == [(0, 4)]
 
 
 def test_a_restart_reruns_no_finished_trial(tmp_path: Path) -> None:

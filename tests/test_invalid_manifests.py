@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 import yaml
 
-from legorl.api import GROUP_VERSION, KINDS
+from legorl.api import GROUP_VERSION, KINDS, RLRun
 from legorl.api.crd import openapi_schema
 from legorl.manifests import parse_documents, validate_documents
 from legorl.manifests.generated import to_yaml
@@ -177,6 +177,25 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
         set_("spec.tasks.split.heldOutTaskIds", {"heldOutPercent": 10, "heldOutTaskIds": ["t1"]}),
         "spec.tasks.split.heldOutTaskIds",
     ),
+    (
+        "split-percent-and-task-set-split",
+        "RLRun",
+        set_("spec.tasks.split", {"heldOutPercent": 10, "taskSetSplit": "test"}),
+        "spec.tasks.split.taskSetSplit",
+    ),
+    (
+        "split-ids-and-task-set-split",
+        "RLRun",
+        set_("spec.tasks.split", {"heldOutTaskIds": ["t1"], "taskSetSplit": "validation"}),
+        "spec.tasks.split.taskSetSplit",
+    ),
+    (
+        "task-set-split-train",  # the training split is never held out
+        "RLRun",
+        set_("spec.tasks.split", {"taskSetSplit": "train"}),
+        "spec.tasks.split.taskSetSplit",
+    ),
+    ("empty-split", "RLRun", set_("spec.tasks.split", {}), "spec.tasks.split"),
     (
         "held-out-too-large",
         "RLRun",
@@ -395,6 +414,16 @@ def test_bases_are_valid(kind: str) -> None:
     assert api_server_rejections(obj) == []
     (report,) = validate_documents(parse_documents(BASES[kind], "base.yaml"))
     assert report.problems == []
+
+
+@pytest.mark.parametrize("split", ["validation", "test"])
+def test_task_set_split_alone_is_valid(split: str) -> None:
+    manifest = _manifest("RLRun", set_("spec.tasks.split", {"taskSetSplit": split}))
+    assert api_server_rejections(manifest) == []
+    (report,) = validate_documents(parse_documents(to_yaml(manifest), "split.yaml"))
+    assert [p for p in report.problems if p.severity == "error"] == []
+    assert isinstance(report.resource, RLRun)
+    assert report.resource.spec.tasks.split.task_set_split == split
 
 
 def test_there_are_at_least_25_distinct_invalid_manifests() -> None:

@@ -10,7 +10,7 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from legorl.api import KINDS, RLRun
-from legorl.api._base import ImageRef, parse_quantity
+from legorl.api._base import ImageRef, exactly_one, parse_quantity
 from legorl.api.conditions import (
     FleetReason,
     PoolReason,
@@ -21,7 +21,7 @@ from legorl.api.conditions import (
     rlrun_phase,
     set_condition,
 )
-from legorl.api.run import NATIVE_API_FORMAT, HarnessKind, RLRunSpec
+from legorl.api.run import NATIVE_API_FORMAT, HarnessKind, RLRunSpec, Split
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -173,6 +173,35 @@ def test_wire_format_round_trips() -> None:
     assert wire["tasks"]["split"] == {"heldOutPercent": 10}
     assert "fleetRef" not in wire
     assert RLRunSpec.model_validate(wire) == spec
+
+
+def test_task_set_split_is_validation_or_test_on_the_wire() -> None:
+    split = Split.model_validate({"taskSetSplit": "test"})
+    assert split.task_set_split == "test"
+    assert split.to_wire() == {"taskSetSplit": "test"}
+    with pytest.raises(ValidationError, match="taskSetSplit"):
+        Split.model_validate({"taskSetSplit": "train"})  # training tasks are never held out
+
+
+def test_exactly_one_forbids_every_pair_and_requires_one() -> None:
+    # Cross-field rules live in CEL only (evaluated by the API server and `legorl validate`; see
+    # tests/test_cel.py and tests/test_invalid_manifests.py); this checks the rules generated.
+    required, *forbidden = exactly_one("a", "b", "c", hint="why")
+    assert (required.rule, required.reason) == (
+        "has(self.a) || has(self.b) || has(self.c)",
+        "FieldValueRequired",
+    )
+    assert required.message == "set one of a, b or c: why"
+    assert [(r.rule, r.field_path, r.reason) for r in forbidden] == [
+        ("!(has(self.a) && has(self.b))", ".b", "FieldValueForbidden"),
+        ("!(has(self.a) && has(self.c))", ".c", "FieldValueForbidden"),
+        ("!(has(self.b) && has(self.c))", ".c", "FieldValueForbidden"),
+    ]
+    assert forbidden[1].message == "set only one of a, b or c, not both a and c: why"
+    # Two names keep the wording they always had.
+    assert exactly_one("a", "b", hint="why")[1].message == "set only one of a or b, not both: why"
+    with pytest.raises(ValueError, match="at least two"):
+        exactly_one("a", hint="why")
 
 
 def test_kinds_default_api_version_and_kind() -> None:

@@ -59,6 +59,14 @@ def test_base_is_clean() -> None:
             "nucleus truncation would bias every importance weight",
         ),
         (
+            # vLLM answers every call asking for more tokens than its context with 400.
+            "      maxTokensPerTurn: 128",
+            "      maxTokensPerTurn: 2048",
+            "error",
+            "spec.algorithm.sampling.maxTokensPerTurn",
+            "leaves no room for a prompt in the fleet's context of 2048 tokens",
+        ),
+        (
             "    miniBatches: 2 ",
             "    miniBatches: 17 ",
             "error",
@@ -136,6 +144,30 @@ def test_check_fires(old: str, new: str, severity: str, path: str, words: str) -
     assert found[0].severity == severity
     assert found[0].check == "preflight"
     assert words in found[0].message
+
+
+@pytest.mark.parametrize(
+    ("split", "error"),
+    [
+        ("heldOutPercent: 0", "heldOutPercent is 0"),
+        ("heldOutTaskIds: []", "heldOutTaskIds is empty"),
+        ("taskSetSplit: validation", None),
+        ("taskSetSplit: test", None),
+        ("heldOutPercent: 25", None),
+    ],
+)
+def test_target_reward_needs_held_out_tasks(split: str, error: str | None) -> None:
+    old = "      heldOutPercent: 25 "
+    assert old in BASE
+    text = BASE.replace(old, f"      {split} ").replace(
+        "    maxSteps: 6", '    maxSteps: 6\n    targetReward: "0.5"'
+    )
+    found = [p for p in problems(text) if p.path == "spec.stop.targetReward"]
+    if error is None:
+        assert found == []  # taskSetSplit always holds tasks out (a task set without labels fails the plan)
+    else:
+        (problem,) = found
+        assert error in problem.message and "taskSetSplit" in problem.message
 
 
 def test_preflight_waits_for_schema_errors() -> None:

@@ -125,6 +125,24 @@ def test_swebench_rows_load_unchanged() -> None:
     assert again == task
 
 
+@pytest.mark.parametrize(("label", "split"), [("train", "train"), ("test", "test"), (None, None), (3, None)])
+def test_the_task_sets_split_label_is_read_and_kept(label: object, split: str | None) -> None:
+    row: dict[str, Any] = {
+        "instance_id": "t-1",
+        "repo": "r",
+        "base_commit": "a" * 40,
+        "problem_statement": "p",
+        "test_patch": "diff --git a/tests/test_a.py b/tests/test_a.py\n",
+        "FAIL_TO_PASS": ["tests/test_a.py::test_a"],
+    }
+    if label is not None:
+        row[task_mod.SPLIT_KEY] = label
+    task = Task.from_dict(row)
+    assert task.split == split
+    assert Task.from_dict(task.to_dict()) == task
+    assert task.to_dict().get("legorl_split") == label
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

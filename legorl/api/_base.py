@@ -72,22 +72,31 @@ class CelRule:
         return out
 
 
-def exactly_one(first: str, second: str, hint: str) -> tuple[CelRule, CelRule]:
-    """Two rules for "set exactly one of `first` and `second`": one for neither (Required),
-    one for both (Forbidden), so each failure carries the right reason."""
-    return (
-        CelRule(
-            rule=f"has(self.{first}) || has(self.{second})",
-            message=f"set one of {first} or {second}: {hint}",
-            reason="FieldValueRequired",
-        ),
-        CelRule(
-            rule=f"!(has(self.{first}) && has(self.{second}))",
-            message=f"set only one of {first} or {second}, not both: {hint}",
-            field_path=f".{second}",
-            reason="FieldValueForbidden",
-        ),
+def exactly_one(*names: str, hint: str) -> tuple[CelRule, ...]:
+    """Rules for "set exactly one of `names`": one for none set (Required) and one per pair set
+    together (Forbidden, reported at the later field of the pair), so each failure carries the right
+    reason and names the fields to unset."""
+    if len(names) < 2:
+        raise ValueError(f"exactly_one needs at least two field names, got {names}")
+    listed = f"{', '.join(names[:-1])} or {names[-1]}"
+    required = CelRule(
+        rule=" || ".join(f"has(self.{name})" for name in names),
+        message=f"set one of {listed}: {hint}",
+        reason="FieldValueRequired",
     )
+    forbidden = []
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            both = "not both" if len(names) == 2 else f"not both {first} and {second}"
+            forbidden.append(
+                CelRule(
+                    rule=f"!(has(self.{first}) && has(self.{second}))",
+                    message=f"set only one of {listed}, {both}: {hint}",
+                    field_path=f".{second}",
+                    reason="FieldValueForbidden",
+                )
+            )
+    return (required, *forbidden)
 
 
 def cel(*cel_rules: CelRule) -> dict[str, Any]:

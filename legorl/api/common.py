@@ -231,8 +231,9 @@ class TaskSetSource(ApiModel):
 
     uri: Uri
     """Manifest location: `s3://bucket/tasks.parquet`, `pvc://claim/tasks.jsonl`,
-    `configmap://name/key`, `file:///abs/tasks.jsonl` (local runs) or `builtin://tiny-python`
-    (the bundled task set)."""
+    `configmap://name/key`, `file:///abs/tasks.jsonl` (local runs), `builtin://tiny-python` (the bundled
+    task set) or `builtin://tiny-read` (bundled tasks whose fix is read from the test output, labelled
+    train / validation / test: see `tasks.split.taskSetSplit`)."""
     format: Literal["Auto", "JSONL", "Parquet"] = "Auto"
     """Manifest format; `Auto` goes by the file extension."""
     credentials_secret_ref: LocalObjectReference | None = None

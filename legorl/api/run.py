@@ -127,10 +127,16 @@ class Harness(ApiModel):
 
 
 class Split(ApiModel):
-    """Which tasks are held out for validation: a percentage or an explicit list, not both."""
+    """Which tasks are held out for validation: a percentage, an explicit list, or the task set's own
+    split labels; exactly one of them."""
 
     model_config = rules(
-        *exactly_one("heldOutPercent", "heldOutTaskIds", "a share of the tasks, or a list of task ids"),
+        *exactly_one(
+            "heldOutPercent",
+            "heldOutTaskIds",
+            "taskSetSplit",
+            hint="a share of the tasks, a list of task ids, or the task set's own split labels",
+        ),
     )
 
     held_out_percent: Annotated[int, Field(ge=0, le=90)] | None = None
@@ -139,6 +145,10 @@ class Split(ApiModel):
         Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=10_000)] | None
     ) = None
     """Task ids held out."""
+    task_set_split: Literal["validation", "test"] | None = None
+    """Use the task set's own labels (each task's `legorl_split`: train, validation or test): train on
+    `train` tasks only, hold out the tasks labelled with this value; tasks of the other held-out split
+    never run. Choose settings with `validation`, report once with `test`."""
 
 
 class TaskSelection(ApiModel):
@@ -153,7 +163,8 @@ class TaskSelection(ApiModel):
     epochs: Annotated[int, Field(ge=1, le=10_000)] = 1
     """Passes over the training split."""
     max_tasks: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
-    """Use only the first N tasks of the manifest (after filtering, before the split)."""
+    """Train on at most N tasks of the training pool, sampled with `tasks.seed` (the held-out tasks
+    are not capped)."""
 
 
 class Sampling(ApiModel):
@@ -475,8 +486,8 @@ class RLRunSpec(ApiModel):
     """Desired state of an RLRun."""
 
     model_config = rules(
-        *exactly_one("fleetRef", "fleet", "a shared RolloutFleet, or one owned by this run"),
-        *exactly_one("poolRef", "pool", "a shared SandboxPool, or one owned by this run"),
+        *exactly_one("fleetRef", "fleet", hint="a shared RolloutFleet, or one owned by this run"),
+        *exactly_one("poolRef", "pool", hint="a shared SandboxPool, or one owned by this run"),
         CelRule(
             rule=(
                 "!has(self.fleet) || self.trainer.routingReplay != 'Enabled' || "
@@ -492,7 +503,8 @@ class RLRunSpec(ApiModel):
 
     mode: Literal["Train", "Evaluate"] = "Train"
     """`Train` runs the RL loop. `Evaluate` only scores the policy the fleet serves on every task
-    of the task set (the split is ignored), again each time the fleet's policy advances by
+    of the task set, or only those of `tasks.split.taskSetSplit` when it is set (the other split
+    settings are ignored), again each time the fleet's policy advances by
     `evaluation.intervalSteps` versions — share a fleet with a training run to track it. In
     Evaluate mode a step is one full evaluation."""
     suspend: bool = False

@@ -10,8 +10,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from legorl.api.run import RLRunSpec
-from legorl.sandbox.task import Task, TaskSet
+from legorl.api.run import RLRunSpec, TaskSelection
+from legorl.sandbox.task import SPLIT_KEY, SPLIT_LABELS, Task, TaskSet
 
 from .backend import TrialRequest
 
@@ -37,27 +37,24 @@ class TaskPlan:
         if not tasks:
             raise PlanError("the task set is empty")
         selection = spec.tasks
-        ids = {t.instance_id for t in tasks}
-        if selection.split.held_out_task_ids is not None:
-            unknown = sorted(set(selection.split.held_out_task_ids) - ids)
-            if unknown:
-                raise PlanError(f"tasks.split.heldOutTaskIds names tasks not in the task set: {unknown[:5]}")
-            held_ids = set(selection.split.held_out_task_ids)
+        labelled = selection.split.task_set_split
+        if labelled is not None:
+            held_out, pool = _labelled_split(tasks, labelled)
+        elif spec.mode == "Evaluate":
+            held_out, pool = tuple(tasks), []  # an evaluation scores every task; nothing trains
         else:
-            share = (selection.split.held_out_percent or 0) / 100
-            order = [t.instance_id for t in tasks]
-            rng = random.Random(f"held-out/{selection.seed}")  # noqa: S311 - reproducible, not a secret
-            rng.shuffle(order)
-            count = round(len(order) * share)
-            if share > 0 and count == 0 and len(order) > 1:
-                count = 1
-            held_ids = set(order[:count])
-        held_out = tuple(t for t in tasks if t.instance_id in held_ids)
-        pool = [t for t in tasks if t.instance_id not in held_ids]
+            held_ids = _held_out_ids(selection, tasks)
+            held_out = tuple(t for t in tasks if t.instance_id in held_ids)
+            pool = [t for t in tasks if t.instance_id not in held_ids]
         if selection.max_tasks is not None:
             rng = random.Random(f"max-tasks/{selection.seed}")  # noqa: S311 - reproducible, not a secret
             pool = sorted(rng.sample(pool, min(selection.max_tasks, len(pool))), key=lambda t: t.instance_id)
         if not pool and spec.mode == "Train":
+            if labelled is not None:
+                raise PlanError(
+                    f"no task of the task set is labelled {SPLIT_KEY}=train, and tasks.split.taskSetSplit "
+                    "trains on those only"
+                )
             raise PlanError("every task is held out: lower tasks.split.heldOutPercent or list fewer ids")
         train: list[Task] = []
         for epoch in range(selection.epochs):
@@ -119,6 +116,44 @@ class TaskPlan:
                     )
                 )
         return out
+
+
+def _held_out_ids(selection: TaskSelection, tasks: list[Task]) -> set[str]:
+    """Ids held out by `heldOutTaskIds`, or by `heldOutPercent` of the tasks chosen with the seed."""
+    if selection.split.held_out_task_ids is not None:
+        ids = {t.instance_id for t in tasks}
+        unknown = sorted(set(selection.split.held_out_task_ids) - ids)
+        if unknown:
+            raise PlanError(f"tasks.split.heldOutTaskIds names tasks not in the task set: {unknown[:5]}")
+        return set(selection.split.held_out_task_ids)
+    share = (selection.split.held_out_percent or 0) / 100
+    order = [t.instance_id for t in tasks]
+    rng = random.Random(f"held-out/{selection.seed}")  # noqa: S311 - reproducible, not a secret
+    rng.shuffle(order)
+    count = round(len(order) * share)
+    if share > 0 and count == 0 and len(order) > 1:
+        count = 1
+    return set(order[:count])
+
+
+def _labelled_split(tasks: list[Task], held: str) -> tuple[tuple[Task, ...], list[Task]]:
+    """`tasks.split.taskSetSplit`: the tasks labelled `held` and, to train on, those labelled `train`.
+    Tasks of the other held-out label are in neither."""
+    held_out = tuple(t for t in tasks if t.split == held)
+    if not held_out:
+        raise PlanError(
+            f"tasks.split.taskSetSplit is {held!r} but no task of the task set is labelled "
+            f"{SPLIT_KEY}={held}; this split needs a task set with split labels such as builtin://tiny-read"
+        )
+    unlabelled = [t for t in tasks if t.split not in SPLIT_LABELS]
+    if unlabelled:
+        first = unlabelled[0]
+        got = "has no label" if first.split is None else f"is labelled {first.split!r}"
+        raise PlanError(
+            f"tasks.split.taskSetSplit needs every task labelled {SPLIT_KEY} (train, validation or test), "
+            f"but task {first.instance_id} {got} ({len(unlabelled)} of {len(tasks)} tasks are not labelled)"
+        )
+    return held_out, [t for t in tasks if t.split == "train"]
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:

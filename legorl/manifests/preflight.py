@@ -105,12 +105,17 @@ def check_run_settings(res: Resource) -> Iterator[Problem]:
             "preflight",
         )
     split = spec.tasks.split
-    if spec.stop.target_reward is not None and split.held_out_percent == 0:
+    # taskSetSplit always holds tasks out: a task set without the label fails the plan instead.
+    holds_none = split.task_set_split is None and (
+        split.held_out_percent == 0 or split.held_out_task_ids == []
+    )
+    if spec.stop.target_reward is not None and holds_none:
+        what = "heldOutPercent is 0" if split.held_out_percent == 0 else "heldOutTaskIds is empty"
         yield Problem(
             "error",
             "spec.stop.targetReward",
-            "targetReward is measured on the held-out split, but heldOutPercent is 0; hold out tasks "
-            "or drop targetReward",
+            f"targetReward is measured on the held-out split, but {what}; hold out tasks "
+            "(heldOutPercent, heldOutTaskIds or taskSetSplit) or drop targetReward",
             "preflight",
         )
     if spec.mode == "Train" and spec.schedule.max_concurrent_trials < algo.group_size:
@@ -162,6 +167,23 @@ def check_run_settings(res: Resource) -> Iterator[Problem]:
     if spec.fleet is not None:
         yield from _fidelity_dtypes(
             spec.trainer.dtype, spec.fleet.settings.dtype, "spec.fleet.settings.dtype"
+        )
+        yield from _tokens_fit(
+            algo.sampling.max_tokens_per_turn, spec.fleet.settings.max_model_len, "spec.fleet"
+        )
+
+
+def _tokens_fit(max_tokens: int, max_model_len: int | None, fleet: str) -> Iterator[Problem]:
+    """A turn's token cap must leave room for a prompt in the engine's context: vLLM answers every call
+    asking for more with 400, and the harness retries until its deadline."""
+    if max_model_len is not None and max_tokens >= max_model_len:
+        yield Problem(
+            "error",
+            "spec.algorithm.sampling.maxTokensPerTurn",
+            f"maxTokensPerTurn {max_tokens} leaves no room for a prompt in the fleet's context of "
+            f"{max_model_len} tokens ({fleet}.settings.maxModelLen): the engine would refuse every call; "
+            "lower maxTokensPerTurn (the default is 4096) or raise maxModelLen",
+            "preflight",
         )
 
 
@@ -364,6 +386,11 @@ def check_run_against_fleet(run: RLRun, fleet: RolloutFleet) -> Iterator[Problem
         )
     if run.spec.mode == "Train":
         yield from _fidelity_dtypes(run.spec.trainer.dtype, fleet.spec.settings.dtype, "spec.trainer.dtype")
+    yield from _tokens_fit(
+        run.spec.algorithm.sampling.max_tokens_per_turn,
+        fleet.spec.settings.max_model_len,
+        f"RolloutFleet {fleet.metadata.name!r} spec",
+    )
     if (
         run.spec.mode == "Train"
         and fleet.spec.weight_sync.method == "NCCL"

@@ -30,6 +30,12 @@ DEFAULT_TEST_COMMAND = (
 """Runs the task's test files; `{junit}` is where the verifier reads results, `{tests}` the test
 files (FAIL_TO_PASS and PASS_TO_PASS files, hidden tests included)."""
 
+SPLIT_KEY = "legorl_split"
+"""Manifest field holding the task set's own split label of a task: `train`, `validation` or `test`
+(an RLRun's `tasks.split.taskSetSplit` holds out the tasks of one label and trains on `train`)."""
+SPLIT_LABELS = ("train", "validation", "test")
+"""The values of `SPLIT_KEY`."""
+
 KNOWN_FIELDS = frozenset(
     {
         "instance_id",
@@ -80,6 +86,12 @@ class Task:
     test_command: str = DEFAULT_TEST_COMMAND
     test_timeout_seconds: int = 600
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def split(self) -> str | None:
+        """The task set's split label (`SPLIT_KEY`: train, validation or test); None when unlabelled."""
+        label = self.extra.get(SPLIT_KEY)
+        return label if isinstance(label, str) else None
 
     @property
     def hidden_test_files(self) -> tuple[str, ...]:
