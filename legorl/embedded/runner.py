@@ -42,6 +42,7 @@ from legorl.controller.plan import PlanError
 from legorl.embedded.engine import VllmServer
 from legorl.embedded.local import LocalTrialBackend
 from legorl.operator.render.fleet import vllm_args
+from legorl.sandbox import reading
 from legorl.sandbox.bundled import BUILTIN_URI, builtin_task_set, default_cache_dir
 from legorl.sandbox.local import LocalBackend, SandboxError
 from legorl.sandbox.task import TaskSet, load_task_set
@@ -94,9 +95,13 @@ def engine_args(run: RLRun) -> list[str]:
 def resolve_task_set(uri: str) -> TaskSet:
     if uri == BUILTIN_URI:
         return load_task_set(builtin_task_set())
+    if uri == reading.BUILTIN_URI:
+        return load_task_set(reading.builtin_task_set())
     if uri.startswith("file://"):
         return load_task_set(Path(uri.removeprefix("file://")))
-    raise RunError(f"tasks.source.uri {uri!r}: locally, use {BUILTIN_URI} or file:///path/to/tasks.jsonl")
+    raise RunError(
+        f"tasks.source.uri {uri!r}: locally, use {BUILTIN_URI}, {reading.BUILTIN_URI} or file:///path/to/tasks.jsonl"
+    )
 
 
 @dataclass

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
@@ -125,6 +125,10 @@ class Bug:
     hidden: str
     hidden_pass: tuple[str, ...] = field(default=())
     """Hidden tests that already pass at base: PASS_TO_PASS, not FAIL_TO_PASS."""
+    visible_fail: tuple[str, ...] = field(default=())
+    """Visible tests that fail at base (their output describes the bug): neither list grades them."""
+    extra: tuple[tuple[str, str], ...] = field(default=())
+    """More manifest `extra` fields of the task (e.g. its split label)."""
 
     @property
     def hidden_path(self) -> str:
@@ -357,7 +361,9 @@ def _split_diff(diff: str) -> dict[str, str]:
 _SCRATCH_REF = "refs/scratch/wrong-fix"
 
 
-def build_task(git: _Git, work: Path, bundles: Path, instance_id: str, bug: Bug) -> Task:
+def build_task(
+    git: _Git, work: Path, bundles: Path, instance_id: str, bug: Bug, *, image: str = IMAGE
+) -> Task:
     """Build one repository under `work`, bundle it into `bundles` and return its manifest row."""
     pkg = bug.package
     buggy = apply_edits(pkg.source, bug.plant, f"{instance_id}: plant")
@@ -366,7 +372,8 @@ def build_task(git: _Git, work: Path, bundles: Path, instance_id: str, bug: Bug)
         raise ValueError(
             f"{instance_id}: the wrong fix must change the buggy source and differ from the gold one"
         )
-    visible = collect_test_ids(pkg.test_path, pkg.tests)
+    failing = {f"{pkg.test_path}::{name}" for name in bug.visible_fail}
+    visible = [t for t in collect_test_ids(pkg.test_path, pkg.tests) if t not in failing]
     hidden = collect_test_ids(bug.hidden_path, bug.hidden)
     passing = {f"{bug.hidden_path}::{name}" for name in bug.hidden_pass}
     if not visible:
@@ -434,7 +441,7 @@ def build_task(git: _Git, work: Path, bundles: Path, instance_id: str, bug: Bug)
         pass_to_pass=(*visible, *(t for t in hidden if t in passing)),
         patch=patch,
         version="1.0",
-        image=f"{IMAGE}:{instance_id}",
+        image=f"{image}:{instance_id}",
         source=f"{REPOS}/{instance_id}.bundle",
         workspace_dir="/testbed",
         extra={
@@ -442,14 +449,15 @@ def build_task(git: _Git, work: Path, bundles: Path, instance_id: str, bug: Bug)
             "hints_text": "",
             "legorl_bug_kind": bug.kind,
             "legorl_wrong_patch": wrong_patch,
+            **dict(bug.extra),
         },
     )
 
 
-def _write_set(dest: Path) -> None:
+def _write_set(dest: Path, numbered: Sequence[tuple[str, Bug]], version: str, image: str) -> None:
     bundles = dest / REPOS
     bundles.mkdir()
-    with tempfile.TemporaryDirectory(prefix="legorl-tiny-python-", dir=_scratch_root()) as tmp:
+    with tempfile.TemporaryDirectory(prefix="legorl-tasks-", dir=_scratch_root()) as tmp:
         work = Path(tmp)
         home = work / ".home"
         home.mkdir()
@@ -457,12 +465,14 @@ def _write_set(dest: Path) -> None:
         # Tasks are independent and mostly wait on git processes: a few threads cut the wall time
         # without changing a byte (each task has its own folder; results keep the table's order).
         with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) + 1)) as pool:
-            tasks = list(pool.map(lambda item: build_task(git, work, bundles, *item), numbered_bugs()))
+            tasks = list(
+                pool.map(lambda item: build_task(git, work, bundles, item[0], item[1], image=image), numbered)
+            )
     write_jsonl(tasks, dest / MANIFEST)
     for path in [*bundles.iterdir(), dest / MANIFEST]:
         _fsync(path)
     # Written last: a folder holding VERSION is a complete set.
-    (dest / VERSION_FILE).write_text(f"{GENERATOR_VERSION}\n", encoding="utf-8")
+    (dest / VERSION_FILE).write_text(f"{version}\n", encoding="utf-8")
     _fsync(dest / VERSION_FILE)
     _fsync(bundles)
     _fsync(dest)
@@ -485,12 +495,12 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _is_current(out: Path) -> bool:
+def _is_current(out: Path, version: str = GENERATOR_VERSION) -> bool:
     try:
-        version = (out / VERSION_FILE).read_text(encoding="utf-8").strip()
+        found = (out / VERSION_FILE).read_text(encoding="utf-8").strip()
     except OSError:
         return False
-    return version == GENERATOR_VERSION and (out / MANIFEST).is_file()
+    return found == version and (out / MANIFEST).is_file()
 
 
 _OWN_ENTRIES = frozenset({MANIFEST, VERSION_FILE, REPOS})
@@ -509,14 +519,14 @@ def _check_replaceable(out: Path) -> None:
             )
 
 
-def _install(staging: Path, out: Path) -> None:
+def _install(staging: Path, out: Path, version: str) -> None:
     """Move the finished set into place atomically, replacing an older version if there is one."""
     for _ in range(3):
         try:
             staging.rename(out)  # atomic; replaces a missing or empty folder
             return
         except OSError:
-            if _is_current(out):  # a concurrent generator finished first: its set is as good
+            if _is_current(out, version):  # a concurrent generator finished first: its set is as good
                 return
             _check_replaceable(out)
             # Move the stale set aside (atomic too), then retry: readers see the old set, then no
@@ -528,8 +538,18 @@ def _install(staging: Path, out: Path) -> None:
     raise RuntimeError(f"could not install the task set at {out}: it keeps changing under us")
 
 
-def generate(out: Path) -> Path:
+def generate(
+    out: Path,
+    *,
+    numbered: Callable[[], Sequence[tuple[str, Bug]]] = numbered_bugs,
+    version: str = GENERATOR_VERSION,
+    image: str = IMAGE,
+) -> Path:
     """Write out/tasks.jsonl and out/repos/<instance_id>.bundle; return the manifest path.
+
+    `numbered` gives the (instance id, bug) rows (default: this set's); `version` is what VERSION says
+    (another generator built on this one, such as `legorl.sandbox.reading`, passes its own), and `image`
+    the task images' repository.
 
     Deterministic (same bytes on every run with the same git) and idempotent: a folder that already
     holds this GENERATOR_VERSION is returned as it is. The set is written to a temporary folder next
@@ -537,15 +557,15 @@ def generate(out: Path) -> Path:
     """
     out = Path(out)
     manifest = out / MANIFEST
-    if _is_current(out):
+    if _is_current(out, version):
         return manifest
     _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         staging.chmod(0o755)  # mkdtemp makes it private; a cache should be as readable as any folder
-        _write_set(staging)
-        _install(staging, out)
+        _write_set(staging, numbered(), version, image)
+        _install(staging, out, version)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when it was installed
     return manifest
