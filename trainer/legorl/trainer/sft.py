@@ -352,8 +352,10 @@ def sft_train(
     settings: SftSettings,
     *,
     log: Callable[[str], None] = lambda _: None,
+    init_weights: bool = False,
 ) -> SftResult:
-    """Supervised fine-tuning of a freshly initialised megatron model for `checkpoint_dir`'s config.json.
+    """Supervised fine-tuning of a freshly initialised megatron model for `checkpoint_dir`'s config.json
+    (with `init_weights`, of the weights `checkpoint_dir` holds: training further from a checkpoint).
 
     Each step takes `batch_tasks` tasks (all their rows) in a seeded shuffled order, and minimises the
     weighted cross-entropy of the assistant tokens: sum over rows of weight × token losses, divided by
@@ -369,6 +371,10 @@ def sft_train(
     torch.manual_seed(settings.seed)
     arch = model.MoeArchitecture.from_hf(checkpoint_dir)
     net = model.build_model(arch, dtype=torch.float32, device="cpu")
+    if init_weights:
+        from legorl.trainer import convert  # noqa: PLC0415
+
+        convert.load_hf_weights(net, checkpoint_dir, arch)
     params = [p for p in net.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=settings.learning_rate, betas=(0.9, 0.98), eps=1e-8, foreach=True)
 
