@@ -94,7 +94,9 @@ def difference(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Settings:
-    sft_steps: int = 200
+    sft_steps: int = 400
+    """At most; the warm start stops once `target_copying` of sampled validation fixes are exact."""
+    target_copying: float = 0.15
     sft_learning_rate: float = 3e-3
     rl_steps: int = 8
     tasks_per_step: int = 4
@@ -107,7 +109,7 @@ class Settings:
     more_sft_learning_rate: float = 1e-3
 
 
-QUICK = Settings(sft_steps=40, rl_steps=2, tasks_per_step=2, group_size=2, report_tasks=3)
+QUICK = Settings(sft_steps=40, rl_steps=2, tasks_per_step=2, group_size=2, report_tasks=3, target_copying=0.0)
 
 
 def rlrun(
@@ -290,7 +292,8 @@ def one_seed(
         sh(
             [PY, "-m", "legorl.trainer.reading", "warmstart", "--demos", str(demos["train"]),
              "--validation", str(demos["validation"]), "--out", str(v0), "--seed", str(seed),
-             "--steps", str(s.sft_steps), "--learning-rate", str(s.sft_learning_rate)],
+             "--steps", str(s.sft_steps), "--learning-rate", str(s.sft_learning_rate),
+             "--target-copying", str(s.target_copying)],
             log,
         ).strip().splitlines()[-1]
     )  # fmt: skip

@@ -353,9 +353,12 @@ def sft_train(
     *,
     log: Callable[[str], None] = lambda _: None,
     init_weights: bool = False,
+    stop_when: Callable[[int, Any], bool] | None = None,
 ) -> SftResult:
     """Supervised fine-tuning of a freshly initialised megatron model for `checkpoint_dir`'s config.json
     (with `init_weights`, of the weights `checkpoint_dir` holds: training further from a checkpoint).
+    `stop_when(step, model)`, called after every step, ends training early when it returns True (the
+    learning-rate schedule stays the one of `settings.steps`).
 
     Each step takes `batch_tasks` tasks (all their rows) in a seeded shuffled order, and minimises the
     weighted cross-entropy of the assistant tokens: sum over rows of weight × token losses, divided by
@@ -412,8 +415,20 @@ def sft_train(
         if step == 1 or step % 25 == 0 or step == settings.steps:
             elapsed = time.perf_counter() - started
             log(f"step {step}/{settings.steps}: loss {losses[-1]:.4f} lr {lr:.2e} ({elapsed:.0f} s)")
+        if stop_when is not None and _stop_now(stop_when, step, net):
+            log(f"stopped after step {step}: loss {losses[-1]:.4f}")
+            break
     net.eval()
     return SftResult(net, arch, losses, time.perf_counter() - started)
+
+
+def _stop_now(stop_when: Callable[[int, Any], bool], step: int, net: Any) -> bool:
+    """`stop_when(step, net)` with the model in eval mode (dropout off, as sampled), then back."""
+    net.eval()
+    try:
+        return stop_when(step, net)
+    finally:
+        net.train()
 
 
 def _learning_rate(settings: SftSettings, step: int) -> float:
