@@ -30,6 +30,7 @@ intervals, what the policies did, wall times, settings, checks, the git commit) 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -273,6 +274,21 @@ def evaluation(store: Path, step: int) -> dict[str, Any]:
 # -- one seed ----------------------------------------------------------------------------------------------
 
 
+def _warm_start(seed: int, s: Settings, out: Path, demos: dict[str, Path], log: Path) -> dict[str, Any]:
+    """SFT on the training demonstrations (a child process: megatron's global state stays there)."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stdout = sh(
+        [PY, "-m", "legorl.trainer.reading", "warmstart", "--demos", str(demos["train"]),
+         "--validation", str(demos["validation"]), "--out", str(out), "--seed", str(seed),
+         "--steps", str(s.sft_steps), "--learning-rate", str(s.sft_learning_rate),
+         "--target-copying", str(s.target_copying)],
+        log,
+    )  # fmt: skip
+    summary: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    return summary
+
+
 def one_seed(
     seed: int, s: Settings, *, split: str, work: Path, demos: dict[str, Path], log: Path
 ) -> dict[str, Any]:
@@ -287,16 +303,18 @@ def one_seed(
     timings: dict[str, float] = {}
 
     t = time.monotonic()
-    v0 = here / "v0"
-    warm = json.loads(
-        sh(
-            [PY, "-m", "legorl.trainer.reading", "warmstart", "--demos", str(demos["train"]),
-             "--validation", str(demos["validation"]), "--out", str(v0), "--seed", str(seed),
-             "--steps", str(s.sft_steps), "--learning-rate", str(s.sft_learning_rate),
-             "--target-copying", str(s.target_copying)],
-            log,
-        ).strip().splitlines()[-1]
-    )  # fmt: skip
+    # The warm start depends on the seed, its settings and the demonstrations only: runs that differ in
+    # RL settings or in the split they report share it (work/warm/...), made once.
+    warm_key = hashlib.sha256(
+        json.dumps([seed, s.sft_steps, s.sft_learning_rate, s.target_copying]).encode()
+        + demos["train"].read_bytes()
+        + demos["validation"].read_bytes()
+    ).hexdigest()[:12]
+    v0 = work / "warm" / f"seed-{seed}-{warm_key}"
+    if (v0 / "sft.json").is_file() and (v0 / "model.safetensors").is_file():
+        warm = json.loads((v0 / "sft.json").read_text())
+    else:
+        warm = _warm_start(seed, s, v0, demos, log)
     timings["warm_start"] = time.monotonic() - t
 
     t = time.monotonic()
@@ -307,7 +325,9 @@ def one_seed(
 
     store = RunStore(str(rl_store))
     steps = store.committed_steps()
-    final_step = max(steps)
+    final_step = max(steps, default=0)
+    if final_step != s.rl_steps:  # stopped early (an interrupt, a failure): not a result
+        raise RuntimeError(f"the RL run committed {final_step} of {s.rl_steps} steps; see {log}")
     rl_tasks = {t.task_id for step in steps for t in store.read_batch(step).trials}
     held = [e.step for e in store.eval_summaries()]
 
@@ -412,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--sft-steps", type=int)
     p.add_argument("--rl-steps", type=int)
-    p.add_argument("--learning-rate")
+    p.add_argument("--learning-rate", help='the RL learning rate, as the RLRun spells it ("1e-4")')
+    p.add_argument("--mini-batches", type=int, help="optimizer steps per RL step")
     p.add_argument("--work", type=Path, default=REPO / ".legorl" / "learning")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "learning.json")
     args = p.parse_args(argv)
@@ -420,7 +441,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and args.seeds == [1, 2, 3]:
         args.seeds = [1]
 
-    overrides = {"sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "learning_rate": args.learning_rate}
+    overrides = {
+        "sft_steps": args.sft_steps,
+        "rl_steps": args.rl_steps,
+        "learning_rate": args.learning_rate,
+        "mini_batches": args.mini_batches,
+    }
     s = replace(s, **{k: v for k, v in overrides.items() if v is not None})
     args.work.mkdir(parents=True, exist_ok=True)
     log = args.work / "learning.log"
