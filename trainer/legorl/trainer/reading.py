@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from legorl.trainer.sft import (
-    SWE_CHAT_TEMPLATE,
     SftSequence,
     SftSettings,
     build_sequences,
+    build_tokenizer,
     sample_completions,
     sft_train,
     write_skeleton,
@@ -123,24 +123,6 @@ def load_demonstrations(path: Path) -> list[Demonstration]:
     return out
 
 
-def build_reading_tokenizer(
-    demos: Sequence[Demonstration], tools: Sequence[Mapping[str, Any]], vocab_size: int
-) -> Any:
-    """A byte-level BPE split GPT-2 style, trained on the demonstrations' text as the engine renders it."""
-    from legorl.trainer.sft import completion_text, engine_messages  # noqa: PLC0415
-    from legorl.trainer.tiny import byte_level_bpe, chat_tokenizer  # noqa: PLC0415
-
-    renderer = chat_tokenizer(byte_level_bpe([], vocab_size=300), SWE_CHAT_TEMPLATE)
-    texts = []
-    for demo in demos:
-        last = demo.turns[-1]
-        prompt = renderer.apply_chat_template(
-            engine_messages(last.messages), tools=list(tools), add_generation_prompt=True, tokenize=False
-        )
-        texts.append(prompt + completion_text(last) + IM_END)
-    return chat_tokenizer(byte_level_bpe(texts, vocab_size=vocab_size), SWE_CHAT_TEMPLATE)
-
-
 @dataclass(frozen=True)
 class CopyScore:
     """How often the policy writes the exact fix-and-submit command on a split's second turns."""
@@ -204,7 +186,8 @@ def train_reading_policy(
 
     started = time.perf_counter()
     tools = [bash_tool()]
-    tokenizer = build_reading_tokenizer(train_demos, tools, settings.vocab_size)
+    # Split GPT-2 style, so a name the agent copies is one token in `found=bonus` and `s/bonus/weight/`.
+    tokenizer = build_tokenizer(train_demos, tools, vocab_size=settings.vocab_size, split_lines=False)
     rows = build_sequences(tokenizer, train_demos, tools)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -228,10 +228,14 @@ def build_sequences(
 
 
 def build_tokenizer(
-    demos: Sequence[Demonstration], tools: Sequence[Mapping[str, Any]], *, vocab_size: int
+    demos: Sequence[Demonstration],
+    tools: Sequence[Mapping[str, Any]],
+    *,
+    vocab_size: int,
+    split_lines: bool = True,
 ) -> Any:
-    """A byte-level BPE (split after newlines) trained on every demonstration's full text as the engine
-    renders it, with SWE_CHAT_TEMPLATE."""
+    """A byte-level BPE (split after newlines; GPT-2 style without `split_lines`) trained on every
+    demonstration's full text as the engine renders it, with SWE_CHAT_TEMPLATE."""
     from legorl.trainer.tiny import byte_level_bpe, chat_tokenizer  # noqa: PLC0415
 
     # Rendering text needs only the template and the special tokens: an untrained tokenizer will do.
@@ -243,7 +247,9 @@ def build_tokenizer(
             engine_messages(last.messages), tools=list(tools), add_generation_prompt=True, tokenize=False
         )
         texts.append(prompt + completion_text(last) + IM_END)
-    return chat_tokenizer(byte_level_bpe(texts, vocab_size=vocab_size, split_lines=True), SWE_CHAT_TEMPLATE)
+    return chat_tokenizer(
+        byte_level_bpe(texts, vocab_size=vocab_size, split_lines=split_lines), SWE_CHAT_TEMPLATE
+    )
 
 
 def write_skeleton(directory: Path, tokenizer: Any, settings: SftSettings) -> Path:
