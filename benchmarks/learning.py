@@ -371,10 +371,17 @@ def one_seed(
         },
         "seconds": {**timings, "total": time.monotonic() - started},
     }
-    result["rl_gain"] = difference(result["final"], result["v0"])
-    result["more_sft_gain"] = difference(result["more_sft"], result["v0"])
-    result["rl_vs_more_sft"] = difference(result["final"], result["more_sft"])
+    result.update(differences(result))
     return result
+
+
+def differences(r: dict[str, Any]) -> dict[str, Any]:
+    """RL − v0, more SFT − v0 and RL − more SFT, each with its interval."""
+    return {
+        "rl_gain": difference(r["final"], r["v0"]),
+        "more_sft_gain": difference(r["more_sft"], r["v0"]),
+        "rl_vs_more_sft": difference(r["final"], r["more_sft"]),
+    }
 
 
 def pooled(seeds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -383,9 +390,7 @@ def pooled(seeds: list[dict[str, Any]]) -> dict[str, Any]:
         k = sum(r[key]["solved"] for r in seeds)
         n = sum(r[key]["scored"] for r in seeds)
         out[key] = rate(k, n)
-    out["rl_gain"] = difference(out["final"], out["v0"])
-    out["more_sft_gain"] = difference(out["more_sft"], out["v0"])
-    out["rl_vs_more_sft"] = difference(out["final"], out["more_sft"])
+    out.update(differences(out))
     low_final, high_v0 = out["final"]["interval95"][0], out["v0"]["interval95"][1]
     gain = out["rl_gain"]["difference"]
     out["target"] = {
@@ -450,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     s = replace(s, **{k: v for k, v in overrides.items() if v is not None})
     args.work.mkdir(parents=True, exist_ok=True)
     log = args.work / "learning.log"
+    commit = git_commit()  # the code that runs, taken before any of it does (the tree may change meanwhile)
 
     manifest = builtin_task_set()
     demos = {}
@@ -481,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(
             ["python", "benchmarks/learning.py", *(argv if argv is not None else sys.argv[1:])]
         ),
-        "git_commit": git_commit(),
+        "git_commit": commit,
         "machine": {"cpus": os.cpu_count()},
         "split_reported": args.split,
         "task_set": {"uri": "builtin://tiny-read", "tasks_per_split": dict(SPLITS)},

@@ -21,8 +21,23 @@ from legorl.trainer.demos import SUBMIT_COMMAND, grade_commands
 
 
 @pytest.fixture(scope="module")
-def task_set(tmp_path_factory: pytest.TempPathFactory) -> TaskSet:
-    return load_task_set(reading.generate(tmp_path_factory.mktemp("tiny-read") / "set"))
+def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return reading.generate(tmp_path_factory.mktemp("tiny-read") / "set")
+
+
+@pytest.fixture(scope="module")
+def task_set(manifest: Path) -> TaskSet:
+    return load_task_set(manifest)
+
+
+def test_command_line_prints_the_manifest(manifest: Path, tmp_path: Path) -> None:
+    run = [sys.executable, "-m", "legorl.sandbox.reading"]
+    proc = subprocess.run([*run, str(manifest.parent)], capture_output=True, text=True, check=False)
+    assert (proc.returncode, proc.stdout) == (0, f"{manifest}\n"), proc.stderr
+    (tmp_path / "notes.txt").write_text("mine")
+    proc = subprocess.run([*run, str(tmp_path)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 1
+    assert "refusing to replace" in proc.stderr
 
 
 def test_the_splits_have_their_sizes_and_labels(task_set: TaskSet) -> None:

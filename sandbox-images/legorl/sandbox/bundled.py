@@ -584,19 +584,24 @@ def builtin_task_set(cache_dir: Path | None = None) -> Path:
     return generate(root / "tasks" / f"{SET_NAME}-{GENERATOR_VERSION}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def generate_cli(argv: Sequence[str] | None, *, prog: str, uri: str, make: Callable[[Path], Path]) -> int:
+    """`python -m <prog> OUT`: generate the task set `uri` with `make` into OUT and print its manifest path
+    (shared by every generated task set)."""
     parser = argparse.ArgumentParser(
-        prog="python -m legorl.sandbox.bundled",
-        description=f"Generate the bundled task set {BUILTIN_URI} and print its manifest path.",
+        prog=prog, description=f"Generate the bundled task set {uri} and print its manifest path."
     )
     parser.add_argument("out", type=Path, help="output folder (created; reused if already generated)")
     args = parser.parse_args(argv)
     try:
-        manifest = generate(args.out)
+        manifest = make(args.out)
     except (FileExistsError, RuntimeError, OSError) as exc:
         parser.exit(1, f"error: {exc}\n")
     sys.stdout.write(f"{manifest}\n")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return generate_cli(argv, prog="python -m legorl.sandbox.bundled", uri=BUILTIN_URI, make=generate)
 
 
 if __name__ == "__main__":

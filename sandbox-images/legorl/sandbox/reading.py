@@ -25,16 +25,14 @@ git). Standard library only: it runs inside task images.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import random
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from legorl.sandbox import bundled
-from legorl.sandbox.bundled import Bug, Package
+from legorl.sandbox.bundled import Bug, Package, generate_cli
 from legorl.sandbox.task import SPLIT_KEY
 
 GENERATOR_VERSION = "1"
@@ -294,18 +292,7 @@ def builtin_task_set(cache_dir: Path | None = None) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m legorl.sandbox.reading",
-        description=f"Generate the task set {BUILTIN_URI} and print its manifest path.",
-    )
-    parser.add_argument("out", type=Path, help="output folder (created; reused if already generated)")
-    args = parser.parse_args(argv)
-    try:
-        manifest = generate(args.out)
-    except (FileExistsError, RuntimeError, OSError) as exc:
-        parser.exit(1, f"error: {exc}\n")
-    sys.stdout.write(f"{manifest}\n")
-    return 0
+    return generate_cli(argv, prog="python -m legorl.sandbox.reading", uri=BUILTIN_URI, make=generate)
 
 
 if __name__ == "__main__":
