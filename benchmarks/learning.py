@@ -52,6 +52,8 @@ from legorl.sandbox.task import load_task_set, write_jsonl
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+REPORT_SEEDS = (2, 3, 4)
+"""The test split's seeds: none of them was used while the settings were chosen (seed 1, on validation)."""
 
 
 # -- intervals ---------------------------------------------------------------------------------------------
@@ -102,8 +104,11 @@ class Settings:
     rl_steps: int = 8
     tasks_per_step: int = 4
     group_size: int = 4
-    learning_rate: str = "5e-4"
-    mini_batches: int = 2
+    learning_rate: str = "1e-4"
+    """Chosen on validation, seed 1 (benchmarks/results/learning-validation-lr*.json): 1e-4 with one
+    mini-batch moved the validation solve rate by +0.075, 2e-4 with two by -0.025. With 5e-4 (the embedded
+    default) the training answers stopped being valid tool calls within 5 steps (an aborted first run)."""
+    mini_batches: int = 1
     concurrency: int = 4
     report_tasks: int | None = None
     """Score only the first N tasks of the reported split (None: all)."""
@@ -430,7 +435,13 @@ def git_commit() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=list(REPORT_SEEDS),
+        help="default: 2 3 4 (seed 1 is the one the settings were chosen with, on validation)",
+    )
     p.add_argument("--split", choices=["validation", "test"], default="test", help="the split reported")
     p.add_argument(
         "--quick", action="store_true", help="CI's end-to-end check: one seed, two steps, 3 tasks scored"
@@ -443,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "learning.json")
     args = p.parse_args(argv)
     s = QUICK if args.quick else Settings()
-    if args.quick and args.seeds == [1, 2, 3]:
+    if args.quick and args.seeds == list(REPORT_SEEDS):
         args.seeds = [1]
 
     overrides = {
