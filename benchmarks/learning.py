@@ -1,6 +1,6 @@
 """Does RL teach the tiny policy something that transfers to tasks it has never seen?
 
-The protocol (docs/loop.md, "A learning result that generalises"), per seed, on the embedded default:
+The protocol (docs/loop.md, "The learning result"), per seed, on the embedded default:
 
 1. **Tasks**: `builtin://tiny-read` (`legorl.sandbox.reading`): the fix of every task is read off the test
    output (file, line, the name found and the name expected) and differs per task. Its tasks are labelled
@@ -8,8 +8,8 @@ The protocol (docs/loop.md, "A learning result that generalises"), per seed, on 
    training fix. The benchmark writes its own manifest with the training tasks and the tasks of the split
    it reports (`--split`), so the other held-out split is not even in the run.
 2. **Warm start**: SFT of a fresh tiny Qwen3-MoE on demonstrations of the *training* tasks only
-   (`legorl.trainer.reading`), for `--sft-steps` steps: honestly imperfect, it copies the fix from the test
-   output some of the time.
+   (`legorl.trainer.reading`), at most `--sft-steps` steps, stopped once 0.15 of its sampled validation
+   fixes are exact: honestly imperfect, it copies the fix from the test output some of the time.
 3. **RL**: `legorl run` (vLLM CPU, mini-swe-agent in local sandboxes, megatron-core GRPO, weight sync
    after every step) on the training tasks, `tasks.split.taskSetSplit: <split>`: the reported split is
    scored at the start (v0) and after the last step (final), never in between.
@@ -46,12 +46,13 @@ from pathlib import Path
 from typing import Any
 
 from legorl.api.store import RunStore
+from legorl.controller.plan import wilson_interval
 from legorl.sandbox.reading import SPLITS, TEST_COMMAND, builtin_task_set
 from legorl.sandbox.task import load_task_set, write_jsonl
+from legorl.trainer.demos import SUBMIT_COMMAND as SUBMIT
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 REPORT_SEEDS = (2, 3, 4)
 """The test split's seeds: none of them was used while the settings were chosen (seed 1, on validation)."""
 
@@ -59,14 +60,9 @@ REPORT_SEEDS = (2, 3, 4)
 # -- intervals ---------------------------------------------------------------------------------------------
 
 
-def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+def wilson(k: int, n: int) -> tuple[float, float]:
     """95% Wilson score interval of k successes in n trials."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    return wilson_interval(k, n, z=1.959964)
 
 
 def newcombe(k1: int, n1: int, k0: int, n0: int) -> tuple[float, float]:
@@ -373,6 +369,7 @@ def one_seed(
             "splits_disjoint": not set(ids["train"]) & set(ids[split]),
             "rl_trained_on_train_tasks_only": rl_tasks <= set(ids["train"]),
             "reported_split_scored_only_for_v0_and_final": sorted(held) == sorted({0, final_step}),
+            "more_sft_scored_once": [e.step for e in RunStore(str(more_store)).eval_summaries()] == [0],
         },
         "seconds": {**timings, "total": time.monotonic() - started},
     }
@@ -405,6 +402,19 @@ def pooled(seeds: list[dict[str, Any]]) -> dict[str, Any]:
         "seeds": len(seeds),
     }
     return out
+
+
+def check_demonstrations(path: Path, split: str, manifest: Path) -> None:
+    """Every kept demonstration is of a task labelled `split` in today's task set (a file recorded from an
+    older generator could hold tasks that are now held out: it is refused, not trained on)."""
+    labels = {t.instance_id: t.split for t in load_task_set(manifest)}
+    ids = [json.loads(line)["task_id"] for line in path.read_text().splitlines() if line.strip()]
+    wrong = sorted({i for i in ids if labels.get(i) != split})
+    if not ids or wrong:
+        raise RuntimeError(
+            f"{path}: {len(wrong)} demonstrations are of tasks not in tiny-read's {split} split "
+            f"({', '.join(wrong[:3]) or 'the file is empty'}); remove the file to record it again"
+        )
 
 
 def say(text: str) -> None:
@@ -476,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"recording the {split} demonstrations with mini-swe-agent")
             sh([PY, "-m", "legorl.trainer.reading", "demos", "--tasks", str(manifest), "--split", split,
                 "--out", str(demos[split])], log)  # fmt: skip
+        check_demonstrations(demos[split], split, manifest)
     seeds = []
     for seed in args.seeds:
         # A finished seed is kept (work/seed-N/result.json): a rerun after a crash goes on from there.

@@ -10,6 +10,7 @@ file carries every field.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -23,6 +24,53 @@ from legorl.sandbox import reading
 from legorl.sandbox.task import load_task_set
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _benchmark() -> Any:
+    """benchmarks/learning.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("learning", REPO / "benchmarks" / "learning.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["learning"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+learning = _benchmark()
+
+
+def test_the_intervals_are_the_published_ones() -> None:
+    # Newcombe (1998), Statistics in Medicine 17: 81/263 -> [0.2553, 0.3662] (Wilson, method 3) and
+    # 56/70 - 48/80 -> [0.0524, 0.3339] (the hybrid score method, method 10).
+    assert learning.wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=5e-5)
+    assert learning.newcombe(56, 70, 48, 80) == pytest.approx((0.0524, 0.3339), abs=5e-5)
+    assert learning.wilson(0, 10)[0] == 0.0
+    assert learning.wilson(10, 10)[1] == pytest.approx(1.0)
+    pooled = learning.pooled(
+        [
+            {"v0": learning.rate(2, 40), "final": learning.rate(12, 40), "more_sft": learning.rate(4, 40)},
+            {"v0": learning.rate(4, 40), "final": learning.rate(14, 40), "more_sft": learning.rate(4, 40)},
+        ]
+    )
+    assert (pooled["v0"]["solved"], pooled["v0"]["scored"], pooled["final"]["solved"]) == (6, 80, 26)
+    assert pooled["rl_gain"]["difference"] == pytest.approx(0.25)
+    assert pooled["rl_gain"]["interval95"] == pytest.approx(learning.newcombe(26, 80, 6, 80))
+    assert pooled["target"]["gain_at_least_0.20"] and pooled["target"]["intervals_apart"]
+
+
+def test_what_a_trial_did_is_read_off_its_commands() -> None:
+    diagnosis = "file=shopkit/cart.py line=13 found=bonus expected=weight"
+    fix = f"sed -i '13s/bonus/weight/' shopkit/cart.py && {learning.SUBMIT}"
+    right = learning.behaviour([reading.TEST_COMMAND, fix], diagnosis, reading.TEST_COMMAND)
+    assert all(v for k, v in right.items() if k not in ("submitted_without_fix", "malformed_answer"))
+    assert not right["submitted_without_fix"] and not right["malformed_answer"]
+    wrong_line = learning.behaviour(
+        [reading.TEST_COMMAND, fix.replace("13s", "12s"), None], diagnosis, reading.TEST_COMMAND
+    )
+    assert wrong_line["wrote_a_fix"] and not wrong_line["right_line"] and wrong_line["right_expected"]
+    assert wrong_line["malformed_answer"]
+    gave_up = learning.behaviour(["ls", learning.SUBMIT], diagnosis, reading.TEST_COMMAND)
+    assert gave_up["submitted_without_fix"] and not gave_up["read_tests_first"] and not gave_up["wrote_a_fix"]
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +150,27 @@ def test_the_test_split_is_scored_only_for_v0_and_the_final_policy(
     assert scored == ["step-000000", "step-000002"]
     evaluations = RunStore(str(store_dir)).eval_summaries()
     assert [e.step for e in evaluations] == [0, 2]
+    # the baseline's Evaluate run scores the more-SFT model once, nothing else
+    more = RunStore(str(work / "seed-1" / "more-sft-eval" / "run" / "store"))
+    assert [e.step for e in more.eval_summaries()] == [0]
+    assert more.committed_steps() == []
+
+
+def test_no_held_out_text_reaches_an_rl_batch(quick: tuple[Path, dict[str, Any]]) -> None:
+    from transformers import AutoTokenizer  # noqa: PLC0415 -- heavy
+
+    work, _ = quick
+    (warm,) = (work / "warm").iterdir()
+    tokenizer = AutoTokenizer.from_pretrained(str(warm))
+    store = RunStore(str(work / "seed-1" / "rl" / "run" / "store"))
+    text = "\n".join(
+        str(tokenizer.decode(segment.token_ids))
+        for step in store.committed_steps()
+        for trial in store.read_batch(step).trials
+        for segment in trial.segments
+    )
+    assert "AssertionError: file=" in text  # the batches hold the training tasks' test output
+    for task in reading.reading_tasks():
+        if task.split != "train":
+            assert task.diagnosis() not in text, task.instance_id
+            assert task.fix_command not in text, task.instance_id

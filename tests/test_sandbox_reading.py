@@ -59,19 +59,26 @@ def test_no_held_out_fix_is_a_training_fix_in_either_order(task_set: TaskSet) ->
     assert held_names <= trained_names
 
 
-def test_no_module_text_or_patch_is_shared_across_splits(task_set: TaskSet) -> None:
-    by_split: dict[str, list[str]] = {}
-    for task in task_set:
-        by_split.setdefault(str(task.split), []).append(task.patch)
-    for split in ("validation", "test"):
-        assert set(by_split[split]).isdisjoint(by_split["train"])
+def _edit(patch: str) -> tuple[str, ...]:
+    """A patch's removed and added lines without their file names, hunk headers or context: the edit."""
+    return tuple(
+        line for line in patch.splitlines() if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    )
+
+
+def test_no_module_text_patch_or_fix_is_shared_across_splits(task_set: TaskSet) -> None:
     sources = [t.source(buggy=True) for t in reading.reading_tasks()]
     assert len(set(sources)) == len(sources)
-    # and a held-out fix command never equals a training one
-    commands: dict[str | None, set[str]] = {t.split: set() for t in task_set}
+    edits: dict[str, set[tuple[str, ...]]] = {}
+    commands: dict[str, set[str]] = {}
     for task in task_set:
-        commands[task.split].add(task.extra["legorl_fix_command"])
-    assert commands["test"].isdisjoint(commands["train"])
+        edit = _edit(task.patch)
+        assert len(edit) == 2, task.patch  # one line out, one line in
+        edits.setdefault(str(task.split), set()).add(edit)
+        commands.setdefault(str(task.split), set()).add(task.extra["legorl_fix_command"])
+    for a, b in (("train", "validation"), ("train", "test"), ("validation", "test")):
+        assert edits[a].isdisjoint(edits[b]), (a, b, edits[a] & edits[b])
+        assert commands[a].isdisjoint(commands[b]), (a, b)
 
 
 def test_generation_is_deterministic(tmp_path: Path, task_set: TaskSet) -> None:
