@@ -47,8 +47,9 @@ from typing import Any
 
 from legorl.api.store import RunStore
 from legorl.controller.plan import wilson_interval
-from legorl.sandbox.reading import SPLITS, TEST_COMMAND, builtin_task_set
+from legorl.sandbox.reading import GENERATOR_VERSION, SPLITS, TEST_COMMAND, builtin_task_set
 from legorl.sandbox.task import load_task_set, write_jsonl
+from legorl.trainer import reading as recipe
 from legorl.trainer.demos import SUBMIT_COMMAND as SUBMIT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -290,6 +291,17 @@ def _warm_start(seed: int, s: Settings, out: Path, demos: dict[str, Path], log: 
     return summary
 
 
+def warm_start_key(seed: int, s: Settings, demos: dict[str, Path]) -> str:
+    """What the warm start depends on: the seed, its settings, its recipe (legorl.trainer.reading) and the
+    demonstrations. Runs that differ in RL settings or in the split they report share it (work/warm/...)."""
+    recipe_settings = [asdict(recipe.READING_SETTINGS), recipe.CHECK_FROM, recipe.CHECK_EVERY]
+    return hashlib.sha256(
+        json.dumps([seed, s.sft_steps, s.sft_learning_rate, s.target_copying, recipe_settings]).encode()
+        + demos["train"].read_bytes()
+        + demos["validation"].read_bytes()
+    ).hexdigest()[:12]
+
+
 def one_seed(
     seed: int, s: Settings, *, split: str, work: Path, demos: dict[str, Path], log: Path
 ) -> dict[str, Any]:
@@ -304,14 +316,7 @@ def one_seed(
     timings: dict[str, float] = {}
 
     t = time.monotonic()
-    # The warm start depends on the seed, its settings and the demonstrations only: runs that differ in
-    # RL settings or in the split they report share it (work/warm/...), made once.
-    warm_key = hashlib.sha256(
-        json.dumps([seed, s.sft_steps, s.sft_learning_rate, s.target_copying]).encode()
-        + demos["train"].read_bytes()
-        + demos["validation"].read_bytes()
-    ).hexdigest()[:12]
-    v0 = work / "warm" / f"seed-{seed}-{warm_key}"
+    v0 = work / "warm" / f"seed-{seed}-{warm_start_key(seed, s, demos)}"
     if (v0 / "sft.json").is_file() and (v0 / "model.safetensors").is_file():
         warm = json.loads((v0 / "sft.json").read_text())
     else:
@@ -491,7 +496,12 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         # A finished seed is kept (work/seed-N/result.json): a rerun after a crash goes on from there.
         done = args.work / f"seed-{seed}" / "result.json"
-        key = {"settings": asdict(s), "split": args.split}
+        key = {
+            "settings": asdict(s),
+            "split": args.split,
+            "task_set": f"tiny-read-{GENERATOR_VERSION}",
+            "warm_start": warm_start_key(seed, s, demos),
+        }
         if done.exists() and json.loads(done.read_text()).get("key") == key:
             say(f"seed {seed}: done before ({done})")
             seeds.append(json.loads(done.read_text())["result"])
