@@ -22,7 +22,7 @@ Results (per seed and pooled: solve rates with 95% Wilson intervals, the differe
 intervals, what the policies did, wall times, settings, checks, the git commit) go to
 `benchmarks/results/learning.json` (`--out`).
 
-    python benchmarks/learning.py                       # 3 seeds, reported on the test split
+    python benchmarks/learning.py                       # seeds 2, 3, 4, reported on the test split
     python benchmarks/learning.py --split validation    # what settings are chosen with
     python benchmarks/learning.py --quick --out /tmp/l.json   # CI's end-to-end check (1 seed, 2 steps)
 """
