@@ -9,31 +9,22 @@ changes the OOM score and nothing else.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 WRAPPER = REPO / "scripts" / "images" / "runc-oom-clamp"
 
 
-def _driver() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("build_images", REPO / "scripts/images/build_images.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["build_images"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bi = _driver()
+bi = load_script("build_images", REPO / "scripts/images/build_images.py")
 ROWS = json.loads((REPO / "sandbox-images/images.json").read_text(encoding="utf-8"))["images"]
 BUILT = [row for row in ROWS if row["dockerfile"]]
 

@@ -10,7 +10,6 @@ file carries every field.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -22,21 +21,12 @@ import pytest
 from legorl.api.store import RunStore
 from legorl.sandbox import reading
 from legorl.sandbox.task import load_task_set
+from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _benchmark() -> Any:
-    """benchmarks/learning.py as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("learning", REPO / "benchmarks" / "learning.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["learning"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-learning = _benchmark()
+learning = load_script("learning", REPO / "benchmarks" / "learning.py")
 
 
 def test_the_intervals_are_the_published_ones() -> None:

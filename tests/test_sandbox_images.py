@@ -38,6 +38,7 @@ import pytest
 import yaml
 
 from legorl.operator.render.common import Images
+from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGES = REPO / "sandbox-images"
@@ -964,13 +965,7 @@ def tiny_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def load_build_task_images() -> Any:
-    import importlib.util  # noqa: PLC0415
-
-    spec = importlib.util.spec_from_file_location("build_task_images", IMAGES / "task/build_task_images.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("build_task_images", IMAGES / "task/build_task_images.py")
 
 
 def test_task_images_for_the_bundled_set(tiny_python: Path) -> None:

@@ -61,9 +61,8 @@ def test_no_held_out_fix_is_a_training_fix_in_either_order(task_set: TaskSet) ->
 
 def _edit(patch: str) -> tuple[str, ...]:
     """A patch's removed and added lines without their file names, hunk headers or context: the edit."""
-    return tuple(
-        line for line in patch.splitlines() if line[:1] in "+-" and not line.startswith(("+++", "---"))
-    )
+    changed = [line for line in patch.splitlines() if line.startswith(("+", "-"))]
+    return tuple(line for line in changed if not line.startswith(("+++", "---")))
 
 
 def test_no_module_text_patch_or_fix_is_shared_across_splits(task_set: TaskSet) -> None:
