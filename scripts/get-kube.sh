@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# A real Kubernetes control plane for tests, built here: kube-apiserver and kube-controller-manager
-# v1.20.2 from Debian bookworm's own `kubernetes` source package (no registry ships these
-# binaries), compiled offline with Debian's Go, plus etcd (Debian's etcd-server). kubectl is
-# scripts/get-helm.sh's (v1.35; against 1.20 it only warns about the version skew).
+# A real Kubernetes control plane and node for tests, built here: kube-apiserver,
+# kube-controller-manager, kube-scheduler, kubelet and kube-proxy v1.20.2 from Debian bookworm's own
+# `kubernetes` source package (no registry ships these binaries), compiled offline with Debian's Go,
+# the pause container from the same tree (build/pause/linux/pause.c, static), plus etcd (Debian's
+# etcd-server). kubectl is scripts/get-helm.sh's (v1.35; against 1.20 it only warns about the
+# version skew). The node's runtime (docker.io, CNI plugins, dnsmasq) is scripts/get-node.sh's.
 #
 # Go >= 1.18 changed reflect.mapiterinit to fill an iterator the caller allocates; the vendored
 # github.com/modern-go/reflect2 v1.0.1 still expects one back and crashes the apiserver on the
@@ -24,6 +26,7 @@ REPO=$PWD
 VERSION="1.20.5+really1.20.2"
 TREE="kubernetes-1.20.2"
 PATCHES=("$REPO"/scripts/kube/*.patch)
+TARGETS=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
 
 need=()
 command -v go >/dev/null 2>&1 || need+=(golang-go)
@@ -51,7 +54,9 @@ key=$(printf '%s\n%s\n' "$VERSION" "$go_version" | cat - "${PATCHES[@]}" | sha25
 CACHE="${LEGORL_CACHE:-$HOME/.cache/legorl}/kube/$key"
 BIN="$CACHE/bin"
 
-if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kube-controller-manager" ]; then
+complete=1
+for t in "${TARGETS[@]}" pause; do [ -x "$BIN/$t" ] || complete=""; done
+if [ -z "$complete" ]; then
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
   # A private apt configuration with a deb-src entry of the machine's own archive: the system's
@@ -75,13 +80,15 @@ EOF
   tar -xzf "$orig" -C "$work"
   cd "$work/$TREE"
   for p in "${PATCHES[@]}"; do patch -p1 --quiet <"$p"; done
-  echo "get-kube.sh: building kube-apiserver and kube-controller-manager $TREE with $go_version" >&2
+  echo "get-kube.sh: building ${TARGETS[*]} $TREE with $go_version" >&2
   start=$(date +%s)
   CGO_ENABLED=0 GOPROXY=off GOFLAGS=-mod=vendor GOTOOLCHAIN=local GOCACHE="$work/gocache" \
-    make WHAT="cmd/kube-apiserver cmd/kube-controller-manager" >"$work/build.log" 2>&1 ||
+    make WHAT="${TARGETS[*]/#/cmd/}" >"$work/build.log" 2>&1 ||
     { tail -40 "$work/build.log" >&2; exit 1; }
   mkdir -p "$BIN.partial"
-  cp _output/local/bin/linux/*/kube-apiserver _output/local/bin/linux/*/kube-controller-manager "$BIN.partial/"
+  for t in "${TARGETS[@]}"; do cp _output/local/bin/linux/*/"$t" "$BIN.partial/"; done
+  # The pod sandbox ("pause") image's one program, as the tree's own build makes it.
+  gcc -Os -static -DVERSION=3.2 -o "$BIN.partial/pause" build/pause/linux/pause.c
   rm -rf "$BIN" && mv "$BIN.partial" "$BIN"
   echo "get-kube.sh: built in $(($(date +%s) - start)) s" >&2
   cd "$REPO"
