@@ -5,9 +5,12 @@
 # sandbox's system tools (scripts/get-sandbox-tools.sh: bubblewrap, iptables), Chromium and
 # Playwright for the UI's browser tests (scripts/get-browser.sh), fetches helm
 # (scripts/get-helm.sh), builds a real kube-apiserver (scripts/get-kube.sh, in the background while
-# the linters run; cached in ~/.cache/legorl/kube), then lint, types, import layers,
-# generated-file drift, every image built and smoke-run (scripts/build-images.sh: Docker and
-# debootstrap from Debian, a private engine; LEGORL_IMAGES=0 skips it) and the test suite.
+# the linters run; cached in ~/.cache/legorl/kube) and a Kubernetes 1.36 apiextensions-apiserver for
+# the CRDs (scripts/get-apiext.sh, likewise; ~/.cache/legorl/apiext) and installs what a real node
+# needs (scripts/get-node.sh; its kubelet, scheduler and kube-proxy come from get-kube.sh), then
+# lint, types, import layers, generated-file drift, every image built and smoke-run
+# (scripts/build-images.sh: Docker and debootstrap from Debian, a private engine; LEGORL_IMAGES=0
+# skips it) and the test suite.
 # Usage: bash scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,11 +23,17 @@ step "virtualenv and dependencies"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 bash scripts/get-engine.sh
 bash scripts/get-sandbox-tools.sh
+# The real node's runtime (docker.io, CNI plugins, dnsmasq, iptables, conntrack), before the
+# background build below takes the dpkg lock.
+bash scripts/get-node.sh
 bash scripts/get-browser.sh
 # After the other apt users (one dpkg lock); the build overlaps with helm, the linters and mypy.
 mkdir -p .cache
 bash scripts/get-kube.sh >.cache/get-kube.log 2>&1 &
 kube_pid=$!
+# The CRDs' current API server (1.36, from Debian sid's Go sources; cached in ~/.cache/legorl/apiext).
+bash scripts/get-apiext.sh >.cache/get-apiext.log 2>&1 &
+apiext_pid=$!
 bash scripts/get-helm.sh .cache/tools
 export PATH="$PWD/.venv/bin:$PATH"
 export LEGORL_HELM="$PWD/.cache/tools/bin/helm"
@@ -62,6 +71,15 @@ fi
 grep "get-kube.sh:" .cache/get-kube.log || true
 LEGORL_KUBE_BIN=$(tail -1 .cache/get-kube.log)
 export LEGORL_KUBE_BIN LEGORL_REQUIRE_KUBE=1
+
+step "a current API server for the CRDs (scripts/get-apiext.sh)"
+if ! wait "$apiext_pid"; then
+  cat .cache/get-apiext.log >&2
+  exit 1
+fi
+grep "get-apiext.sh:" .cache/get-apiext.log || true
+LEGORL_APIEXT_BIN=$(tail -1 .cache/get-apiext.log)
+export LEGORL_APIEXT_BIN
 
 if [ "${LEGORL_IMAGES:-1}" != 0 ]; then
   step "every image built and smoke-run (scripts/build-images.sh; LEGORL_IMAGES=0 skips)"

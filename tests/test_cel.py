@@ -299,6 +299,63 @@ CASES: dict[str, tuple[list[Any], list[Any]]] = {
         [{"minCorrelation": "0.99"}, {"minCorrelation": "1"}, {"minCorrelation": "0"}],
         [{"minCorrelation": "1.01"}, {"minCorrelation": "-0.5"}],
     ),
+    # Resource maps (requests, limits): Kubernetes' container resource names, the standard ones
+    # or a name with a DNS-subdomain prefix (extended resources), 63 characters at most in all.
+    "self.all(k, k.size() <= 63 && k.matches(": (
+        [
+            {},
+            {"cpu": "2", "memory": "4Gi"},
+            {"ephemeral-storage": "10Gi", "hugepages-2Mi": "1Gi", "hugepages-1Gi": "2Gi"},
+            {"nvidia.com/gpu": 8, "amd.com/gpu": 1, "example.com/foo_bar.Baz-2": 1},
+            {"example.com/" + "g" * 51: 1},  # exactly 63 characters
+        ],
+        [
+            {"CPU!": "1"},
+            {"cpu": "1", "Cpu": "1"},  # one bad key among good ones is enough
+            {"-bad/key/x": "1"},
+            {"": "1"},
+            {"nvidia.com/": 1},  # a prefix with no name
+            {"/gpu": 1},  # a name with an empty prefix
+            {"gpu": 1},  # a non-standard name needs a prefix
+            {"hugepages-": "1Gi"},  # a hugepages size is required
+            {"Nvidia.com/gpu": 1},  # the prefix is a lowercase DNS subdomain
+            {"nvidia..com/gpu": 1},
+            {"example.com/-gpu": 1},  # the name starts and ends alphanumeric
+            {"example.com/gpu_": 1},
+            {"a/b/c": 1},
+            {"cpu ": "1"},
+            {"cpu\n": "1"},
+            {"example.com/" + "g" * 52: 1},  # 64 characters
+        ],
+    ),
+    # nodeSelector: Kubernetes' qualified label keys, an optional lowercase DNS-subdomain prefix
+    # and a name, 252 characters at most in all.
+    "self.all(k, k.size() <= 252 && k.matches(": (
+        [
+            {},
+            {"app": "x", "Role": "gpu", "app_name.v2": "y"},
+            {"kubernetes.io/hostname": "node-1", "node.kubernetes.io/instance-type": "p5.48xlarge"},
+            {"legorl.dev/pool": "gpu", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+            # exactly 252 characters: three 63/63/60-character DNS labels, then a 63-character name
+            {"a" * 63 + "." + "b" * 63 + "." + "c" * 60 + "/" + "d" * 63: "v"},
+        ],
+        [
+            {"-bad/key/x": "v"},
+            {"app": "x", "-app": "y"},
+            {"": "v"},
+            {"Example.com/key": "v"},  # the prefix is lowercase
+            {"example.com/": "v"},  # a prefix with no name
+            {"/key": "v"},  # an empty prefix
+            {"a/b/c": "v"},
+            {"key-": "v"},
+            {"app.kubernetes.io/-name": "v"},
+            {"-example.com/key": "v"},
+            {"example..com/key": "v"},
+            {"key with space": "v"},
+            {"key\n": "v"},
+            {"a" * 63 + "." + "b" * 63 + "." + "c" * 61 + "/" + "d" * 63: "v"},  # 253 characters
+        ],
+    ),
 }
 
 
