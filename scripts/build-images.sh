@@ -6,11 +6,11 @@
 #
 # Installs docker.io and debootstrap (Debian, as root) where missing; starts a private Docker
 # engine (its own data root under ~/.cache/legorl/images/docker, no bridge, no iptables, host
-# network only) unless DOCKER_HOST names a working one, and stops it at the end; makes a Debian
-# bookworm minbase rootfs with debootstrap (cached in ~/.cache/legorl/images); then runs
-# scripts/images/build_images.py, which makes the bases and builds, times, sizes and smoke-runs
-# each image. Images that fetch python-build-standalone from github.com are built only when
-# PBS_BASE_URL names a mirror (reported as skipped otherwise).
+# network only) unless DOCKER_HOST names a working one, and stops it at the end; makes Debian
+# bookworm and trixie minbase rootfs tars with debootstrap (cached in ~/.cache/legorl/images); then
+# runs scripts/images/build_images.py, which makes the bases and builds, times, sizes and smoke-runs
+# each image. Images that take python-build-standalone from github.com are built with Debian's own
+# Python instead (PYTHON_SOURCE=debian) unless PBS_BASE_URL names a mirror of its releases.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${LEGORL_CACHE:-$HOME/.cache/legorl}/images
@@ -77,22 +77,29 @@ if [ -z "${DOCKER_HOST:-}" ] || ! "$DOCKER" info >/dev/null 2>&1; then
   say "a private Docker engine at $DOCKER_HOST (data root $CACHE/docker)"
 fi
 
-rootfs="$CACHE/debian-bookworm-minbase.tar"
+# Debian minbase rootfs tars (cached): bookworm for every base, trixie for Debian's own Python 3.13
+# (the harness runtimes that need Python >= 3.12, built without python-build-standalone).
 rootfs_seconds=0
-if [ ! -s "$rootfs" ]; then
-  start=$(date +%s)
-  tree=$(mktemp -d /tmp/legorl-rootfs.XXXXXX)
-  debootstrap --variant=minbase --include=python3,ca-certificates bookworm "$tree" \
-    "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" >"$CACHE/debootstrap.log" 2>&1 ||
-    { tail -20 "$CACHE/debootstrap.log" >&2; exit 1; }
-  tar -C "$tree" -cf "$rootfs.part" .
-  mv "$rootfs.part" "$rootfs"
-  rm -rf "$tree"
-  rootfs_seconds=$(($(date +%s) - start))
-  say "Debian bookworm minbase rootfs made in $rootfs_seconds s ($rootfs)"
-fi
+make_rootfs() {
+  local suite=$1 tar="$CACHE/debian-$1-minbase.tar" start tree
+  if [ ! -s "$tar" ]; then
+    start=$(date +%s)
+    tree=$(mktemp -d /tmp/legorl-rootfs.XXXXXX)
+    debootstrap --variant=minbase --include=python3,ca-certificates "$suite" "$tree" \
+      "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" >"$CACHE/debootstrap-$suite.log" 2>&1 ||
+      { tail -20 "$CACHE/debootstrap-$suite.log" >&2; rm -rf "$tree"; exit 1; }
+    tar -C "$tree" -cf "$tar.part" .
+    mv "$tar.part" "$tar"
+    rm -rf "$tree"
+    rootfs_seconds=$((rootfs_seconds + $(date +%s) - start))
+    say "Debian $suite minbase rootfs made in $(($(date +%s) - start)) s ($tar)"
+  fi
+}
+make_rootfs bookworm
+make_rootfs trixie
 
 PY=.venv/bin/python
 [ -x "$PY" ] || PY=python3
 PYTHONPATH=sandbox-images${PYTHONPATH:+:$PYTHONPATH} "$PY" scripts/images/build_images.py \
-  --base-rootfs "$rootfs" --rootfs-seconds "$rootfs_seconds" --docker "$DOCKER" "$@"
+  --base-rootfs "$CACHE/debian-bookworm-minbase.tar" --trixie-rootfs "$CACHE/debian-trixie-minbase.tar" \
+  --rootfs-seconds "$rootfs_seconds" --docker "$DOCKER" "$@"

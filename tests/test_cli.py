@@ -74,6 +74,22 @@ def test_warnings_pass_unless_strict(run_cli: Cli, tmp_path: Path) -> None:
     assert code == 1
 
 
+def test_validate_warns_of_an_engine_image_without_legorls_plugin(run_cli: Cli, tmp_path: Path) -> None:
+    shared = (Path(__file__).parents[1] / "examples" / "shared-fleet-and-pool.yaml").read_text()
+    manifest = tmp_path / "fleet.yaml"
+    manifest.write_text(
+        shared.replace("image: ghcr.io/legorl/engine:0.1.0", "image: vllm/vllm-openai:v0.33.0")
+    )
+    code, out, _ = run_cli("validate", str(manifest))
+    assert code == 0, out
+    (line,) = [line for line in out.splitlines() if ": warning: " in line]
+    assert line.startswith(f"{manifest}:4 (RolloutFleet/coder-fleet): warning: spec.engine.image: ")
+    assert "vllm/vllm-openai:v0.33.0 is not legorl's engine image" in line and "engine/Dockerfile" in line
+    assert out.splitlines()[-1] == "4 document(s): 0 error(s), 1 warning(s)"
+    code, _, _ = run_cli("validate", "--strict", str(manifest))
+    assert code == 1
+
+
 def test_validate_reads_stdin(run_cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO(GOOD))
     code, out, _ = run_cli("validate", "-")

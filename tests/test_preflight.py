@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from legorl.api.kinds import RLRun
+from legorl.api.kinds import RLRun, RolloutFleet
 from legorl.manifests import Problem, parse_documents, validate_documents
 from legorl.manifests.preflight import check_resource
 
@@ -131,6 +131,14 @@ def test_base_is_clean() -> None:
             "error",
             "spec.fleet.weightSync.method",
             "NCCL weight sync needs GPUs on the engines",
+        ),
+        (
+            # The inline fleet syncs over the filesystem (the default): vLLM loads legorl's plugin at start.
+            "    replicas: 1\n",
+            "    replicas: 1\n    engine: {image: vllm/vllm-openai:v0.32.0}\n",
+            "warning",
+            "spec.fleet.engine.image",
+            "vllm/vllm-openai:v0.32.0 is not legorl's engine image",
         ),
     ],
 )
@@ -265,3 +273,64 @@ def test_nccl_weight_sync_needs_a_gpu_trainer() -> None:
     ]
     assert [(name, p.path) for name, p in by_run] == [("coder-grpo", "spec.trainer.parallelism.gpusPerNode")]
     assert "fleet 'coder-fleet' syncs weights over NCCL" in by_run[0][1].message
+
+
+SHARED = (EXAMPLES / "shared-fleet-and-pool.yaml").read_text()
+SHARED_IMAGE = "    image: ghcr.io/legorl/engine:0.1.0\n"
+
+
+def fleet_problems(image: str, method: str = "Filesystem") -> list[Problem]:
+    """Problems of the shared example's RolloutFleet with another engine image and weight-sync method."""
+    assert SHARED_IMAGE in SHARED and "    method: Filesystem\n" in SHARED
+    text = SHARED.replace(SHARED_IMAGE, f"    image: {image}\n").replace(
+        "    method: Filesystem\n", f"    method: {method}\n"
+    )
+    reports = validate_documents(parse_documents(text, "s.yaml"))
+    return next(r.problems for r in reports if r.document.body["kind"] == "RolloutFleet")
+
+
+def test_a_custom_engine_image_needs_legorls_plugin_for_filesystem_sync() -> None:
+    (problem,) = fleet_problems("registry.example.com/ml/vllm:0.33.0-patched")
+    assert (problem.severity, problem.path, problem.check) == ("warning", "spec.engine.image", "preflight")
+    # What must be inside the image, and how to get it there.
+    for words in (
+        "registry.example.com/ml/vllm:0.33.0-patched is not legorl's engine image",
+        "--worker-extension-cls legorl.trainer.engine_plugin.FilesystemWeightTransfer",
+        "--middleware legorl.trainer.engine_versions.WeightVersions",
+        "backend legorl_filesystem",
+        "vLLM exits at start",
+        "Use ghcr.io/legorl/engine:0.1.0",
+        "docker build -f engine/Dockerfile --build-arg VLLM_IMAGE=<your image>",
+    ):
+        assert words in problem.message, problem.message
+    assert (Path(__file__).parents[1] / "engine/Dockerfile").is_file()
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "ghcr.io/legorl/engine:0.1.0",
+        "ghcr.io/legorl/engine:0.1.0-cpu",
+        "ghcr.io/legorl/engine@sha256:" + "a" * 64,
+        "ghcr.io/legorl/engine:0.1.0@sha256:" + "b" * 64,
+        "registry.example.com:5000/mirror/legorl/engine:0.1.0",
+    ],
+)
+def test_legorls_engine_image_by_any_tag_digest_or_mirror_is_quiet(image: str) -> None:
+    assert fleet_problems(image) == []
+
+
+def test_nccl_weight_sync_needs_no_plugin_in_the_image() -> None:
+    # vLLM's own nccl backend: the renderer names no legorl module.
+    assert fleet_problems("vllm/vllm-openai:v0.33.0", method="NCCL") == []
+
+
+def test_the_default_engine_image_is_legorls() -> None:
+    text = SHARED.replace("  engine:\n" + SHARED_IMAGE, "")
+    assert text != SHARED
+    reports = validate_documents(parse_documents(text, "s.yaml"))
+    fleet = next(r for r in reports if r.document.body["kind"] == "RolloutFleet")
+    assert fleet.problems == []
+    assert isinstance(fleet.resource, RolloutFleet)
+    assert fleet.resource.spec.engine.image == "ghcr.io/legorl/engine:0.1.0"
+    assert check_resource(fleet.resource) == []

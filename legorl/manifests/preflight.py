@@ -16,7 +16,15 @@ from pydantic import BaseModel
 
 from legorl.api._base import parse_quantity
 from legorl.api.common import ContainerImage, EnvVar, ResourceRequirements
-from legorl.api.fleet import FleetTemplate
+from legorl.api.fleet import (
+    DEFAULT_ENGINE_IMAGE,
+    ENGINE_MIDDLEWARE,
+    ENGINE_WORKER_EXTENSION,
+    PLUGIN_WEIGHT_SYNC,
+    WEIGHT_TRANSFER_BACKENDS,
+    FleetTemplate,
+    is_engine_image,
+)
 from legorl.api.kinds import Resource, RLRun, RolloutFleet, SandboxPool
 from legorl.api.layout import FIELD as LAYOUT_FIELD
 from legorl.api.pool import ImageSource
@@ -257,6 +265,38 @@ def check_nccl_weight_sync(res: Resource) -> Iterator[Problem]:
         )
 
 
+def _own_fleet(res: Resource) -> tuple[str, FleetTemplate] | None:
+    """The fleet a resource defines (a RolloutFleet, or an RLRun's inline fleet) and its field path."""
+    if isinstance(res, RolloutFleet):
+        return "spec", res.spec
+    if isinstance(res, RLRun) and res.spec.fleet is not None:
+        return "spec.fleet", res.spec.fleet
+    return None  # a referenced fleet is checked as its own document
+
+
+def check_engine_image(res: Resource) -> Iterator[Problem]:
+    """A weight sync that loads legorl's plugin into vLLM needs the plugin inside the engine image: vLLM
+    imports the worker extension and the middleware at start and exits when it cannot."""
+    own = _own_fleet(res)
+    if own is None:
+        return
+    path, fleet = own
+    method, image = fleet.weight_sync.method, fleet.engine.image
+    if method not in PLUGIN_WEIGHT_SYNC or is_engine_image(image):
+        return
+    yield Problem(
+        "warning",
+        f"{path}.engine.image",
+        f"{image} is not legorl's engine image, and weightSync.method {method} starts vLLM with legorl's "
+        f"plugin (--weight-transfer-config backend {WEIGHT_TRANSFER_BACKENDS[method]}, "
+        f"--worker-extension-cls {ENGINE_WORKER_EXTENSION}, --middleware {ENGINE_MIDDLEWARE}): unless this "
+        f"image can import those modules, vLLM exits at start. Use {DEFAULT_ENGINE_IMAGE} (its `-cpu` build "
+        "for gpusPerNode 0), or add the plugin to your vLLM image with legorl's engine/Dockerfile: "
+        "`docker build -f engine/Dockerfile --build-arg VLLM_IMAGE=<your image> -t <new image> .`",
+        "preflight",
+    )
+
+
 def check_pool_defenses(res: Resource) -> Iterator[Problem]:
     pools: list[tuple[str, Any]] = []
     if isinstance(res, SandboxPool):
@@ -290,6 +330,7 @@ SINGLE_CHECKS: list[Callable[[Resource], Iterator[Problem]]] = [
     check_run_settings,
     check_trainer_layout,
     check_nccl_weight_sync,
+    check_engine_image,
     check_pool_defenses,
 ]
 

@@ -4,19 +4,21 @@
         [--docker DOCKER] [--results FILE] [--no-cache]
 
 scripts/build-images.sh is the way in: it installs Docker and debootstrap, starts a private Docker
-engine, makes the Debian rootfs and calls this. Where no registry is reachable, the bases the
-Dockerfiles name (python:3.11-slim, debian:12-slim, node:22-slim, busybox) are made here from that
-one Debian bookworm rootfs (`scripts/images/bases/`) and passed as the Dockerfiles' own
-`*_IMAGE` build arguments; each Dockerfile is built unchanged but for its `# syntax=` line (which
-makes BuildKit fetch its frontend from Docker Hub; the engine's built-in one is used instead).
-
-Images whose Dockerfile fetches python-build-standalone (from github.com) are built only when
-PBS_BASE_URL names a mirror of its releases; otherwise they are reported as skipped, with why.
+engine, makes the Debian rootfs tars and calls this. Where no registry is reachable, the bases the
+Dockerfiles name (python:3.11-slim, debian:12-slim, debian:13-slim, node:22-slim, busybox) are made
+here from Debian bookworm and trixie rootfs tars (`scripts/images/bases/`) and passed as the
+Dockerfiles' own `*_IMAGE` build arguments; each Dockerfile is built unchanged but for its
+`# syntax=` line (which makes BuildKit fetch its frontend from Docker Hub; the engine's built-in one
+is used instead). Build arguments choose what is built here where a Dockerfile builds several
+things: the engine image's CPU flavour (FLAVOURS; its CUDA flavour starts from the upstream vLLM
+image), and, for the images that take python-build-standalone from github.com, Debian's own Python
+(PYTHON_SOURCE=debian) unless PBS_BASE_URL names a mirror of its releases.
 
 Every build is timed and sized, every image smoke-run (`--help`, the proxy answering in front of
-the fake engine, the harness runtime copied out and run in another image, the task image at its
-base commit), and the figures written to --results (JSON) and printed as a table. Exit status 1
-if any build or smoke check failed.
+the fake engine, the harness runtime copied out and run in another image, the engine started as a
+fleet's Deployment runs it and a weight swap through legorl's plugin, the task image at its base
+commit), and the figures written to --results (JSON) and printed as a table. Exit status 1 if any
+build or smoke check failed.
 """
 
 from __future__ import annotations
@@ -37,11 +39,17 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from legorl.api import GROUP_VERSION, weight_versions
+from legorl.api.kinds import RolloutFleet
+from legorl.operator.render.common import RenderContext
+from legorl.operator.render.fleet import render_fleet
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -50,9 +58,12 @@ TASK_BUILDER = REPO / "sandbox-images" / "task" / "build_task_images.py"
 
 BASE = "legorl-base"
 DEBIAN = f"{BASE}/debian:bookworm"
+TRIXIE = f"{BASE}/debian:trixie"
+"""Debian 13, for Dockerfiles built with Debian's own Python where they need Python >= 3.12."""
 BASES = {
     # Dockerfile ARG -> the image made here that stands in for the public one.
     "DEBIAN_IMAGE": DEBIAN,
+    "TRIXIE_IMAGE": TRIXIE,
     "PYTHON_IMAGE": f"{BASE}/python:bookworm",
     "NODE_IMAGE": f"{BASE}/node:bookworm",
     "BUSYBOX_IMAGE": f"{BASE}/busybox:bookworm",
@@ -61,6 +72,16 @@ CA_BUNDLE = "/etc/legorl-build/ca-certificates.crt"
 """Where the Debian base keeps this machine's CA bundle: builds fetch from PyPI, npm and Debian
 through this machine's network, so they trust what it trusts."""
 CA_VARIABLES = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
+ROOTFS_BASES = (DEBIAN, TRIXIE)
+"""The bases imported from a debootstrap rootfs (the others are built from scripts/images/bases/)."""
+
+
+FLAVOURS: dict[str, dict[str, str]] = {"engine": {"ENGINE_FLAVOUR": "cpu"}}
+"""Build arguments that pick, per image (short name), the variant built here: the engine's CPU
+flavour (vLLM's CPU build); its default, the CUDA flavour, starts from the upstream vLLM image."""
+OTHER_FLAVOUR_BASES: dict[str, tuple[str, str]] = {"VLLM_IMAGE": ("ENGINE_FLAVOUR", "cpu")}
+"""Bases no stage built here uses: `name -> (argument, value)`: not needed when the build sets that
+argument to that value (the engine's CUDA flavour's upstream image, with ENGINE_FLAVOUR=cpu)."""
 
 
 CPU_TORCH = "2.13.0+cpu"
@@ -91,6 +112,8 @@ class Result:
     checks: list[str] = field(default_factory=list)
     """The smoke checks that passed, in words."""
     reason: str = ""
+    variant: str = ""
+    """The build arguments that chose what was built here, e.g. `ENGINE_FLAVOUR=cpu`."""
 
 
 @dataclass
@@ -113,6 +136,13 @@ class Docker:
     def size(self, image: str) -> int:
         return int(self.run("image", "inspect", "-f", "{{.Size}}", image).stdout.strip())
 
+    def label(self, image: str, name: str) -> str | None:
+        """IMAGE's label NAME ("" when unset); None when the engine holds no such image."""
+        proc = self.run(
+            "image", "inspect", "-f", f'{{{{index .Config.Labels "{name}"}}}}', image, check=False
+        )
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
 
 def short_name(image: str) -> str:
     """An image's name without its registry, owner and tag: `proxy`, `harness-codex`, `tasks/tiny-python`,
@@ -131,6 +161,19 @@ def image_args(dockerfile: str) -> list[str]:
 def needs_pbs(dockerfile: str) -> bool:
     """Whether the Dockerfile fetches python-build-standalone (github.com)."""
     return "fetch-python" in dockerfile
+
+
+def takes_python_source(dockerfile: str) -> bool:
+    """Whether the Dockerfile can take Debian's own Python instead (`ARG PYTHON_SOURCE`, `debian`)."""
+    return re.search(r"^ARG\s+PYTHON_SOURCE\b", dockerfile, re.M) is not None
+
+
+def debian_python_base(dockerfile: str) -> str:
+    """The base (made here) whose Debian Python the Dockerfile's `python-debian` stage copies."""
+    match = re.search(r"^FROM\s+\$\{(\w+_IMAGE)\}\s+AS\s+python-debian\s*$", dockerfile, re.M | re.I)
+    if match is None or match.group(1) not in BASES:
+        raise BuildError("no `FROM ${..._IMAGE} AS python-debian` stage on a base made here")
+    return BASES[match.group(1)]
 
 
 def without_syntax_line(dockerfile: str) -> str:
@@ -154,6 +197,11 @@ def local_copy(dockerfile: Path) -> Iterator[Path]:
 def build_args(dockerfile: str, extra: dict[str, str]) -> list[str]:
     args: list[str] = []
     for name in image_args(dockerfile):
+        if (
+            name in OTHER_FLAVOUR_BASES
+            and extra.get(OTHER_FLAVOUR_BASES[name][0]) == OTHER_FLAVOUR_BASES[name][1]
+        ):
+            continue  # a stage of another flavour: BuildKit never reaches it
         if name not in BASES:
             raise BuildError(f"ARG {name}: no base is made here for it (known: {', '.join(BASES)})")
         args += ["--build-arg", f"{name}={BASES[name]}"]
@@ -176,18 +224,13 @@ def base_key(rootfs: Path, ca: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def make_bases(docker: Docker, rootfs: Path, no_cache: bool) -> list[Result]:
-    """Import the Debian rootfs (with this machine's CA bundle) unless the engine holds it already,
-    then build the bases from it (their layers cached while the Debian base stays the same)."""
-    results = []
+def import_rootfs(docker: Docker, image: str, rootfs: Path, no_cache: bool) -> Result:
+    """IMAGE from a Debian rootfs tar and this machine's CA bundle, unless the engine holds it already."""
     start = time.monotonic()
     host_ca = Path("/etc/ssl/certs/ca-certificates.crt")
     key = base_key(rootfs, host_ca)
     label = "dev.legorl.base.key"
-    held = docker.run(
-        "image", "inspect", "-f", f'{{{{index .Config.Labels "{label}"}}}}', DEBIAN, check=False
-    )
-    if no_cache or held.returncode != 0 or held.stdout.strip() != key:
+    if no_cache or docker.label(image, label) != key:
         with tempfile.TemporaryDirectory(prefix="legorl-base-") as tmp:
             ca = Path(tmp) / "etc" / "legorl-build"
             ca.mkdir(parents=True)
@@ -196,13 +239,24 @@ def make_bases(docker: Docker, rootfs: Path, no_cache: bool) -> list[Result]:
             shutil.copy(rootfs, layered)
             subprocess.run(["tar", "-C", tmp, "-rf", str(layered), "etc/legorl-build"], check=True)
             changes = [f"--change=ENV {v}={CA_BUNDLE}" for v in (*CA_VARIABLES, "NODE_EXTRA_CA_CERTS")]
-            docker.run("import", *changes, f"--change=LABEL {label}={key}", str(layered), DEBIAN)
+            docker.run("import", *changes, f"--change=LABEL {label}={key}", str(layered), image)
         status = "built"
     else:
         status = "kept"
-    results.append(Result(DEBIAN, None, status, time.monotonic() - start, docker.size(DEBIAN)))
+    return Result(image, None, status, time.monotonic() - start, docker.size(image))
+
+
+def make_bases(
+    docker: Docker, rootfs: Path, no_cache: bool, trixie_rootfs: Path | None = None
+) -> list[Result]:
+    """Import the Debian rootfs (bookworm; trixie too when given) with this machine's CA bundle unless
+    the engine holds them already, then build the other bases from bookworm (their layers cached while
+    the Debian base stays the same)."""
+    results = [import_rootfs(docker, DEBIAN, rootfs, no_cache)]
+    if trixie_rootfs is not None:
+        results.append(import_rootfs(docker, TRIXIE, trixie_rootfs, no_cache))
     for image in BASES.values():
-        if image == DEBIAN:
+        if image in ROOTFS_BASES:
             continue
         path = HERE / "bases" / f"{short_name(image)}.Dockerfile"
         start = time.monotonic()
@@ -230,13 +284,16 @@ def fetch_json(url: str, body: dict[str, Any] | None = None, timeout: float = 10
         return reply.status, json.loads(reply.read() or b"null")
 
 
-def wait_http(url: str, what: str, timeout: float = 60) -> None:
+def wait_http(url: str, what: str, timeout: float = 60, alive: Callable[[], bool] | None = None) -> None:
+    """Until URL answers 200; BuildError after TIMEOUT, or as soon as ALIVE says the server has exited."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError, ValueError):
             if fetch_json(url, timeout=2)[0] == 200:
                 return
-        time.sleep(0.3)
+        if alive is not None and not alive():
+            raise BuildError(f"{what} exited before it answered {url}")
+        time.sleep(0.3 if alive is None else 2)
     raise BuildError(f"{what} did not answer {url} within {timeout:.0f} s")
 
 
@@ -310,15 +367,42 @@ HARNESS_BINARIES = {
     "Codex": "libexec/codex/bin/codex",
     "ClaudeCode": "libexec/claude",
     "OpenCode": "libexec/opencode",
-    "MiniSweAgent": "python/bin/mini",
+    "MiniSweAgent": "python/bin/python3",
     "OpenHands": "python/bin/python3",
 }
+HARNESS_VERSION_ARGS = {
+    # The launcher runs the Python harnesses as `python3 -I -B -m ...` (pip's console scripts name the
+    # interpreter by its build-time path, which the pod's copy does not have): import them that way, from
+    # where the copy landed, and print the installed version.
+    "MiniSweAgent": (
+        "-I", "-B", "-c", "import os; os.environ['MSWEA_SILENT_STARTUP'] = '1'; "
+        "import importlib.metadata as m, minisweagent.run.mini; "
+        "print('mini-swe-agent', m.version('mini-swe-agent'))",
+    ),
+    "OpenHands": (
+        "-I", "-B", "-c", "import os; os.environ['OPENHANDS_SUPPRESS_BANNER'] = '1'; "
+        "import importlib.metadata as m, openhands.sdk, openhands.tools.preset.default; "
+        "print('openhands-sdk', m.version('openhands-sdk'))",
+    ),
+}  # fmt: skip
+"""What the smoke run passes each harness's binary to print its version (default `--version`)."""
+
+
+def runtime_base(docker: Docker, image: str, row: dict[str, Any]) -> str:
+    """Where a runtime copied out of IMAGE is run, standing in for a task image: the Debian base, or, when
+    it carries Debian's own Python (label dev.legorl.python.source=debian), the Debian that Python came
+    from (it needs that Debian's glibc; python-build-standalone needs 2.17)."""
+    if docker.label(image, "dev.legorl.python.source") != "debian":
+        return DEBIAN
+    return debian_python_base((REPO / row["dockerfile"]).read_text(encoding="utf-8"))
 
 
 @contextlib.contextmanager
-def installed(docker: Docker, image: str, into: str) -> Iterator[tuple[Path, Callable[..., Any]]]:
+def installed(
+    docker: Docker, image: str, into: str, runner: str = DEBIAN
+) -> Iterator[tuple[Path, Callable[..., Any]]]:
     """IMAGE's `install --into=INTO` into a fresh folder, and a way to run what it copied where a trial
-    pod runs it: in another image (here the Debian base), mounted read-only at INTO, as 65532, with a
+    pod runs it: in another image (RUNNER, a Debian base), mounted read-only at INTO, as 65532, with a
     read-only root and no network."""
     with tempfile.TemporaryDirectory(prefix="legorl-install-") as tmp:
         Path(tmp).chmod(0o777)  # the image copies as 65532
@@ -329,18 +413,20 @@ def installed(docker: Docker, image: str, into: str) -> Iterator[tuple[Path, Cal
         def run(*command: str) -> subprocess.CompletedProcess[str]:
             return docker.run(
                 "run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "-e", "HOME=/tmp",
-                "--user", "65532:65532", "-v", f"{tmp}:{into}:ro", DEBIAN, *command,
+                "--user", "65532:65532", "-v", f"{tmp}:{into}:ro", runner, *command,
             )  # fmt: skip
 
         yield Path(tmp), run
 
 
-def smoke_harness(docker: Docker, image: str, kind: str) -> list[str]:
+def smoke_harness(docker: Docker, image: str, kind: str, row: dict[str, Any]) -> list[str]:
     binary = HARNESS_BINARIES[kind]
-    with installed(docker, image, "/opt/legorl-harness") as (copied, run):
+    runner = runtime_base(docker, image, row)
+    with installed(docker, image, "/opt/legorl-harness", runner) as (copied, run):
         if not (copied / binary).exists():
             raise BuildError(f"{image}: install --into left no {binary}")
-        result = run(f"/opt/legorl-harness/{binary}", "--version")
+        args = HARNESS_VERSION_ARGS.get(kind, ("--version",))
+        result = run(f"/opt/legorl-harness/{binary}", *args)
         lines = (result.stdout + result.stderr).strip().splitlines()
         version = next((line for line in lines if re.search(r"\d+\.\d+\.\d+", line)), lines[-1])[:80]
         extra = []
@@ -354,14 +440,18 @@ def smoke_harness(docker: Docker, image: str, kind: str) -> list[str]:
             )
     return [
         smoke_help(docker, image),
-        f"`install --into=DIR` copies the runtime; {binary} --version in the Debian base: {version}",
+        f"`install --into=DIR` copies the runtime; DIR/{binary} -I -B imports the harness in {runner} as "
+        f"65532: {version}"
+        if kind in HARNESS_VERSION_ARGS
+        else f"`install --into=DIR` copies the runtime; {binary} --version in {runner}: {version}",
         *extra,
     ]
 
 
-def smoke_sandbox_init(docker: Docker, image: str) -> list[str]:
+def smoke_sandbox_init(docker: Docker, image: str, row: dict[str, Any]) -> list[str]:
     # The trial pod's `setup` container runs the tool from that volume in the task image.
-    with installed(docker, image, "/legorl") as (_, run):
+    runner = runtime_base(docker, image, row)
+    with installed(docker, image, "/legorl", runner) as (_, run):
         result = run("/legorl/bin/legorl-sandbox", "--help")
         if "usage" not in result.stdout.lower():
             raise BuildError(
@@ -369,7 +459,7 @@ def smoke_sandbox_init(docker: Docker, image: str) -> list[str]:
             )
     return [
         smoke_help(docker, image),
-        "`install --into=DIR` copies the tool; DIR/bin/legorl-sandbox --help runs in the Debian base "
+        f"`install --into=DIR` copies the tool; DIR/bin/legorl-sandbox --help runs in {runner} "
         "(its own relocatable CPython) as 65532, read-only, with no network",
     ]
 
@@ -401,6 +491,173 @@ def smoke_trainer(docker: Docker, image: str) -> list[str]:
     ]
 
 
+TINY_MODEL = REPO / "trainer" / "legorl" / "trainer" / "tiny.py"
+"""`make_tiny_model` (the tests' and `builtin://tiny-moe`'s random Qwen3-MoE); the engine image runs it
+from the checkout: it needs torch, transformers and tokenizers, which vLLM brings, and nothing of legorl."""
+MAKE_TINY_MODEL = (
+    "import importlib.util, sys; from pathlib import Path; "
+    "spec = importlib.util.spec_from_file_location('tiny', '/src/tiny.py'); "
+    "tiny = importlib.util.module_from_spec(spec); spec.loader.exec_module(tiny); "
+    "tiny.make_tiny_model(Path(sys.argv[1]))"
+)
+ENGINE_SMOKE_CLAIM = "engine-smoke"
+ENGINE_STARTUP_SECONDS = 600
+"""vLLM's CPU build starts a tiny model in 25-31 s on an idle machine, 106-125 s under load."""
+
+
+def engine_smoke_fleet(image: str, port: int) -> RolloutFleet:
+    """A RolloutFleet as a CPU cluster would run this image: the tiny model from a PVC, fp32, no
+    routed-expert capture (it needs Triton), `--enforce-eager` (the image ships no compiler), a 1 GB KV
+    cache; weight sync Filesystem, the default, so the pods load legorl's plugin and middleware."""
+    return RolloutFleet.model_validate(
+        {
+            "apiVersion": GROUP_VERSION,
+            "kind": "RolloutFleet",
+            "metadata": {
+                "name": "smoke",
+                "namespace": "default",
+                "uid": "00000000-0000-0000-0000-000000000000",
+            },
+            "spec": {
+                "model": {"uri": f"pvc://{ENGINE_SMOKE_CLAIM}/model"},
+                "engine": {"image": image, "pullPolicy": "Never"},
+                "parallelism": {"gpusPerNode": 0},
+                "settings": {
+                    "dtype": "float32",
+                    "maxModelLen": 1024,
+                    "routedExpertsCapture": "Disabled",
+                    "extraArgs": ["--enforce-eager"],
+                    "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}],
+                },
+                "port": port,
+            },
+        }
+    )
+
+
+def engine_docker_run(fleet: RolloutFleet, model: Path) -> list[str]:
+    """`docker run` arguments (after `run -d --name NAME --network host --read-only`) that start the
+    engine container of FLEET's rendered Deployment as its pod would: its command, arguments, user and
+    environment, an empty folder per emptyDir, MODEL read-only where the claim is mounted. One change: the
+    server listens on 127.0.0.1, not on every address of this machine (the network is the host's)."""
+    (deployment,) = [o for o in render_fleet(fleet, RenderContext()) if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (engine,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    out = ["--pull", "never"]
+    security = engine["securityContext"]
+    if not security["readOnlyRootFilesystem"]:
+        raise BuildError("the engine container's root is writable; the smoke run mounts it read-only")
+    out += ["--user", f"{security['runAsUser']}:{security['runAsGroup']}"]
+    for mount in engine["volumeMounts"]:
+        volume = volumes[mount["name"]]
+        if "persistentVolumeClaim" in volume:  # the claim of ENGINE_SMOKE_CLAIM: the model's folder
+            out += ["-v", f"{model}:{mount['mountPath']}/model:ro"]
+        elif volume.get("emptyDir", {}).get("medium") == "Memory" and mount["mountPath"] == "/dev/shm":
+            out += ["--shm-size", "1g"]
+        else:
+            out += ["--tmpfs", f"{mount['mountPath']}:mode=1777"]
+    for env in engine["env"]:
+        out += ["-e", f"{env['name']}={env['value']}"]
+    args = list(engine["args"])
+    args[args.index("--host") + 1] = "127.0.0.1"
+    command, *rest = engine["command"]
+    return [*out, "--entrypoint", command, engine["image"], *rest, *args]
+
+
+def http_call(
+    url: str, body: dict[str, Any] | None = None, *, method: str | None = None, timeout: float = 60
+) -> tuple[Any, dict[str, str]]:
+    """POST BODY (or METHOD without one) to URL: the JSON answer and its headers; raises on an HTTP error."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(  # noqa: S310 (http to loopback only)
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:  # noqa: S310
+            return json.loads(reply.read() or b"null"), {k.lower(): v for k, v in reply.headers.items()}
+    except urllib.error.HTTPError as exc:
+        raise BuildError(f"{method or 'POST'} {url}: {exc.code} {exc.read()[:500]!r}") from exc
+
+
+def smoke_engine(docker: Docker, image: str) -> list[str]:
+    with tempfile.TemporaryDirectory(prefix="legorl-engine-") as tmp:
+        model = Path(tmp) / "model"
+        model.mkdir()
+        model.chmod(0o777)  # written as 65532
+        start = time.monotonic()
+        docker.run(
+            "run", "--rm", "--pull", "never", "--network", "none", "--read-only", "--tmpfs", "/tmp",
+            "--user", "65532:65532", "-v", f"{TINY_MODEL}:/src/tiny.py:ro", "-v", f"{model}:/model",
+            "--entrypoint", "python3", image, "-c", MAKE_TINY_MODEL, "/model",
+        )  # fmt: skip
+        made = time.monotonic() - start
+        port = free_port()
+        fleet = engine_smoke_fleet(image, port)
+        run = engine_docker_run(fleet, model)
+        flags = [a for a in run[run.index("serve") :] if a.startswith("--")]
+        wanted = ("--weight-transfer-config", "--worker-extension-cls", "--middleware")
+        if not all(flag in flags for flag in wanted):
+            raise BuildError(f"the fleet's command line lacks legorl's plugin flags: {flags}")
+        url = f"http://127.0.0.1:{port}"
+        start = time.monotonic()
+        name = f"legorl-smoke-engine-{port}"
+
+        def running() -> bool:
+            state = docker.run("inspect", "-f", "{{.State.Running}}", name, check=False).stdout
+            return state.strip() == "true"
+
+        with container(docker, name, *run):
+            wait_http(f"{url}/health", "the engine", timeout=ENGINE_STARTUP_SECONDS, alive=running)
+            started = time.monotonic() - start
+            checks = _engine_checks(url, fleet.spec.served_model_name)
+    return [
+        f"a tiny Qwen3-MoE made in the image (legorl.trainer.tiny, {made:.0f} s); the fleet's Deployment "
+        f"run as its pod would (`vllm serve` as 65532, read-only root, its env and {len(flags)} flags, "
+        f"{', '.join(wanted)} among them): /health after {started:.0f} s",
+        *checks,
+    ]
+
+
+def _engine_checks(url: str, model: str) -> list[str]:
+    """A completion that names its weight version (the middleware), then a weight swap through the
+    plugin's backend, as the trainer runs it (legorl.trainer.fleet_sync), and a completion under it."""
+
+    def complete() -> tuple[str, list[str] | None]:
+        body = {"model": model, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0}
+        reply, headers = http_call(f"{url}/v1/completions", body)
+        text = reply["choices"][0]["text"]
+        if not reply["choices"][0]["finish_reason"] or reply["usage"]["completion_tokens"] < 1:
+            raise BuildError(f"/v1/completions answered {reply}")
+        return text, weight_versions.decode(headers.get(weight_versions.HEADER, ""))
+
+    _, before = complete()
+    version = http_call(f"{url}/weight_info", method="GET")[0]["weight_version"]
+    if before != [version]:
+        raise BuildError(f"the completion named weight versions {before}, /weight_info {version!r}")
+    http_call(f"{url}/pause?mode=keep&clear_cache=false", method="POST")
+    http_call(f"{url}/start_weight_update", method="POST")
+    http_call(
+        f"{url}/update_weights",
+        {"update_info": {"path": f"/models/{ENGINE_SMOKE_CLAIM}/model", "version": "v1"}},
+    )
+    http_call(f"{url}/finish_weight_update", {"weight_version": "v1"})
+    http_call(f"{url}/reset_prefix_cache?reset_running_requests=true", method="POST")
+    http_call(f"{url}/resume", method="POST")
+    state = http_call(f"{url}/collective_rpc", {"method": "legorl_weight_sync_state"})[0]["results"][0]
+    served = http_call(f"{url}/weight_info", method="GET")[0]["weight_version"]
+    _, after = complete()
+    if served != "v1" or after != ["v1"] or state.get("backend") != "legorl_filesystem":
+        raise BuildError(f"after the swap: /weight_info {served!r}, completion {after}, backend {state}")
+    return [
+        f"/v1/completions answered, its x-legorl-weight-versions header {before} matching /weight_info "
+        "(the middleware)",
+        f"weight swap pause → start → update_weights (legorl_filesystem, {state['seconds']:.2f} s, "
+        f"{state['moe_layers_repacked']} CPU MoE layers re-packed) → finish v1 → resume: /weight_info "
+        "v1, the next completion names v1",
+    ]
+
+
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         """Serves pip's lookups without a line per request."""
@@ -408,7 +665,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 @contextlib.contextmanager
 def torch_wheelhouse() -> Iterator[dict[str, str]]:
-    """TORCH_VERSION and PIP_FIND_LINKS for the trainer image's build.
+    """TORCH_VERSION and PIP_FIND_LINKS for the trainer's and the engine's (CPU flavour) builds.
 
     Both given in the environment: used as they are. Otherwise the CPU torch (CPU_TORCH) is fetched
     with this machine's pip settings and served on loopback while the build runs; if pip cannot find
@@ -503,12 +760,14 @@ def smoke_for(image: str, row: dict[str, Any]) -> Callable[[Docker, str], list[s
     if name == "operator":
         return smoke_operator
     if name == "sandbox-init":
-        return smoke_sandbox_init
+        return lambda docker, img: smoke_sandbox_init(docker, img, row)
     if name == "trainer":
         return smoke_trainer
+    if name == "engine":
+        return smoke_engine
     if name.startswith("harness-"):
         kind = row["role"].rsplit(" ", 1)[-1]
-        return lambda docker, img: smoke_harness(docker, img, kind)
+        return lambda docker, img: smoke_harness(docker, img, kind, row)
     return None
 
 
@@ -520,12 +779,26 @@ def build_image(
     text = path.read_text(encoding="utf-8")
     extra = {**{k: os.environ[k] for k in ("PBS_BASE_URL",) if os.environ.get(k)}, **(extra or {})}
     if needs_pbs(text) and "PBS_BASE_URL" not in extra:
-        result.status = "skipped"
-        result.reason = (
-            "fetches python-build-standalone from github.com, which is unreachable here; set "
-            "PBS_BASE_URL to a mirror of its release downloads to build it"
-        )
-        return result
+        if not takes_python_source(text):
+            result.status = "skipped"
+            result.reason = (
+                "fetches python-build-standalone from github.com, which is unreachable here; set "
+                "PBS_BASE_URL to a mirror of its release downloads to build it"
+            )
+            return result
+        # github.com is out of reach: Debian's own Python, made relocatable (debian-python.sh).
+        extra.setdefault("PYTHON_SOURCE", "debian")
+        base = debian_python_base(text)
+        if docker.label(base, "dev.legorl.base.key") is None:
+            raise BuildError(
+                f"PYTHON_SOURCE=debian needs the base {base}: give --trixie-rootfs "
+                "(scripts/build-images.sh makes it), or PBS_BASE_URL"
+            )
+    result.variant = " ".join(
+        f"{k}={v}"
+        for k, v in sorted(extra.items())
+        if k in ("ENGINE_FLAVOUR", "PYTHON_SOURCE", "TORCH_VERSION")
+    )
     with local_copy(path) as copy:
         start = time.monotonic()
         cache = ["--no-cache"] if no_cache else []
@@ -545,6 +818,8 @@ def report(results: Sequence[Result], out: Any) -> None:
         seconds = f"{r.seconds:.0f}" if r.seconds is not None else "-"
         size = f"{r.size_bytes / 1e6:.0f}" if r.size_bytes is not None else "-"
         out.write(f"{r.image:58} {r.status:8} {seconds:>8} {size:>8}\n")
+        if r.variant:
+            out.write(f"    built with {r.variant}\n")
         for check in r.checks:
             out.write(f"    ok: {check}\n")
         if r.reason:
@@ -574,7 +849,9 @@ def build_row(docker: Docker, row: dict[str, Any], work: Path, no_cache: bool) -
             result.checks = smoke_task()
         else:
             with contextlib.ExitStack() as stack:
-                extra = stack.enter_context(torch_wheelhouse()) if name == "trainer" else {}
+                extra = dict(FLAVOURS.get(name, {}))
+                if name in ("trainer", "engine"):
+                    extra.update(stack.enter_context(torch_wheelhouse()))
                 result = build_image(docker, row, no_cache, extra)
             smoke = smoke_for(row["image"], row)
             if result.status == "built" and smoke is not None:
@@ -591,7 +868,7 @@ def write_results(
 ) -> None:
     version = docker.run("version", "-f", "{{.Server.Version}}", check=False).stdout.strip()
     data = {
-        "what": "every image legorl names, built from a Debian bookworm base made here, and smoke-run",
+        "what": "every image legorl names, built from Debian bases made here, and smoke-run",
         "command": "bash scripts/build-images.sh" + (" --no-cache" if args.no_cache else ""),
         "layer_cache": f"{cache} when the run began",
         "rootfs_seconds": args.rootfs_seconds,
@@ -609,6 +886,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--base-rootfs", type=Path, required=True, help="a Debian bookworm rootfs as a tar")
     parser.add_argument(
+        "--trixie-rootfs", type=Path, help="a Debian trixie rootfs as a tar (Debian's Python 3.13)"
+    )
+    parser.add_argument(
         "--only", action="append", default=[], metavar="NAME", help="e.g. proxy, harness-codex"
     )
     parser.add_argument(
@@ -625,7 +905,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     held = docker.run("images", "-q", check=False).stdout.split()
     cache = "empty (--no-cache)" if args.no_cache else f"{len(held)} images held" if held else "empty"
     try:
-        results = make_bases(docker, args.base_rootfs, args.no_cache)
+        results = make_bases(docker, args.base_rootfs, args.no_cache, args.trixie_rootfs)
     except BuildError as exc:
         sys.stderr.write(f"build-images: the bases: {exc}\n")
         return 1

@@ -7,6 +7,12 @@ import json
 import shlex
 from typing import Any
 
+from legorl.api.fleet import (
+    ENGINE_MIDDLEWARE,
+    ENGINE_WORKER_EXTENSION,
+    PLUGIN_WEIGHT_SYNC,
+    WEIGHT_TRANSFER_BACKENDS,
+)
 from legorl.api.kinds import RolloutFleet
 from legorl.api.labels import COMPONENT_LABEL, REPLICA_LABEL
 from legorl.operator.render.common import (
@@ -31,11 +37,6 @@ MODELS_DIR = "/models"
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 STS_POD_INDEX = "apps.kubernetes.io/pod-index"
-WEIGHT_TRANSFER_BACKEND = {"Filesystem": "legorl_filesystem", "NCCL": "nccl"}
-"""vLLM weight-transfer backend per sync method (the Filesystem one is legorl's worker extension)."""
-WORKER_EXTENSION = "legorl.trainer.engine_plugin.FilesystemWeightTransfer"
-VERSIONS_MIDDLEWARE = "legorl.trainer.engine_versions.WeightVersions"
-"""Names the weight versions that served each answer, so the proxies need no `/weight_info` per call."""
 
 
 class RenderError(ValueError):
@@ -120,14 +121,16 @@ def vllm_args(fleet: RolloutFleet, model_arg: str, extra: list[str]) -> list[str
     # generation_config.json (Qwen3's top_k 20 / top_p 0.95 would truncate the distribution the
     # trainer recomputes, biasing every importance weight).
     args += ["--generation-config", "vllm"]
-    backend = WEIGHT_TRANSFER_BACKEND[spec.weight_sync.method]
+    backend = WEIGHT_TRANSFER_BACKENDS[spec.weight_sync.method]
     args += ["--weight-transfer-config", json.dumps({"backend": backend}, separators=(",", ":"))]
-    if spec.weight_sync.method == "Filesystem":
-        # Both need legorl in the engine image, which the Filesystem extension already does. Several API
-        # server processes would each see only the swaps they served: there the proxies read /weight_info.
-        args += ["--worker-extension-cls", WORKER_EXTENSION]
+    if spec.weight_sync.method in PLUGIN_WEIGHT_SYNC:
+        # The backend, this extension and the middleware are legorl's engine plugin: the image must hold it
+        # (legorl's engine image does: engine/Dockerfile). Several API server processes would each see only
+        # the swaps they served: there the proxies read /weight_info.
+        args += ["--worker-extension-cls", ENGINE_WORKER_EXTENSION]
         if not _several_api_servers(settings.extra_args):
-            args += ["--middleware", VERSIONS_MIDDLEWARE]
+            # Names the weight versions that served each answer: the proxies need no /weight_info per call.
+            args += ["--middleware", ENGINE_MIDDLEWARE]
     return args + list(settings.extra_args)
 
 
