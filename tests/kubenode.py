@@ -22,6 +22,15 @@ while the node is up (build-images.sh takes no lock: do not run it then). The no
 containers Kubernetes made (by dockershim's label) on start and stop; the kubelet's image GC and disk
 eviction are off, so it never deletes the build's images.
 
+With `api_downgrade=True` (tests/test_node_operator.py) the pods' API server is tests/kube120's
+Downgrade: a process of the node (`python -m tests.kubenode downgrade`, in the namespace) serves it
+behind a TLS front on NODE_IP:DOWNGRADE_PORT with the API server's own certificate, the API server
+runs without its endpoint reconciler, and the `kubernetes` Service's one endpoint is that front (the
+EndpointSlice mirroring controller copies it for kube-proxy). So a pod that logs in the ordinary way
+(`https://kubernetes.default.svc` or KUBERNETES_SERVICE_HOST, the mounted token and CA) sees policy/v1
+and the newer Job and Pod fields the operator renders; the node's own programs and the tests' kubectl
+still talk to the API server itself.
+
 DNS: Debian has no CoreDNS. dnsmasq (test infrastructure, not product) listens on the clusterDNS
 address and answers `<svc>.<ns>.svc.cluster.local` from an addn-hosts file that a small sync loop
 (`python -m tests.kubenode dns-sync`, in the namespace) rewrites from the cluster's Services every
@@ -45,6 +54,7 @@ local image Ready 3-4 s after it is created; stop 3 s.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -62,6 +72,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +89,8 @@ DNS_IP = "10.99.0.10"
 API_PORT = 6443
 SERVICE_CIDR = "10.96.0.0/24"
 API_SERVICE_IP = "10.96.0.1"
+DOWNGRADE_PORT = 6444
+"""Where the `api_downgrade` node's TLS front of tests/kube120's Downgrade listens (on NODE_IP)."""
 POD_CIDR = "10.244.0.0/24"
 POD_GATEWAY = "10.244.0.1"
 CLUSTER_DOMAIN = "cluster.local"
@@ -355,6 +368,13 @@ class Node:
     """The node dockerd's data root (build-images.sh's by default: legorl's images are there)."""
     netns: str = field(default_factory=lambda: f"legorl-node-{secrets.token_hex(4)}")
     admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    api_downgrade: bool = False
+    """Pods reach the API server through tests/kube120's Downgrade, so in-cluster clients (the
+    operator's pod) see the API of Kubernetes >= 1.30 it renders for: the `kubernetes` Service's one
+    endpoint is a TLS front of the Downgrade on NODE_IP:DOWNGRADE_PORT (serving the API server's own
+    certificate) instead of the API server itself. The API server's endpoint reconciler is off so that
+    it keeps that endpoint; the node's own programs (kubelet, controllers, kubectl) still go straight
+    to the API server."""
     procs: list[Process] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds: `control_plane` (etcd + API server ready), `dockerd` (+ the pause image),
@@ -630,6 +650,8 @@ class Node:
                 # self-signed serving certificate is not verified (1.20 without a kubelet CA).
                 "--kubelet-preferred-address-types=InternalIP",
                 "--enable-priority-and-fairness=false", "--profiling=false", "-v=1",
+                # With api_downgrade the `kubernetes` Service's endpoint is the Downgrade's, set below.
+                *(["--endpoint-reconciler-type=none"] if self.api_downgrade else []),
             ],
         )  # fmt: skip
 
@@ -637,6 +659,8 @@ class Node:
             return self.kubectl("get", "--raw=/readyz", check=False, timeout=10).returncode == 0
 
         self._wait("the API server was not ready", ready, timeout)
+        if self.api_downgrade:
+            self._downgrade(timeout)
         self._spawn(
             "kube-controller-manager",
             [
@@ -656,6 +680,36 @@ class Node:
                 "--leader-elect=false", "--bind-address=127.0.0.1", "--port=0", "--secure-port=0", "-v=1",
             ],
         )  # fmt: skip
+
+    def _downgrade(self, timeout: float) -> None:
+        """tests/kube120's Downgrade in the namespace behind a TLS front on NODE_IP:DOWNGRADE_PORT, and
+        the `kubernetes` Service's endpoint pointed at it (the EndpointSlice mirroring controller
+        copies it for kube-proxy)."""
+        pki = self.root / "pki"
+        self._spawn(
+            "downgrade",
+            [
+                sys.executable, "-m", "tests.kubenode", "downgrade", f"--listen={NODE_IP}:{DOWNGRADE_PORT}",
+                f"--upstream={self.server}", f"--ca={self.ca}", f"--cert={pki / 'server.crt'}",
+                f"--key={pki / 'server.key'}",
+            ],
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        front = f"--server=https://{NODE_IP}:{DOWNGRADE_PORT}"
+
+        def answers() -> bool:
+            return self.kubectl(front, "get", "--raw=/version", check=False, timeout=10).returncode == 0
+
+        self._wait("the Downgrade did not answer", answers, timeout)
+        endpoints = {
+            "apiVersion": "v1",
+            "kind": "Endpoints",
+            "metadata": {"name": "kubernetes", "namespace": "default"},
+            "subsets": [
+                {"addresses": [{"ip": NODE_IP}], "ports": [{"name": "https", "port": DOWNGRADE_PORT}]}
+            ],
+        }
+        self.kubectl("apply", "-f", "-", stdin=json.dumps(endpoints))
 
     def _dockerd(self) -> None:
         runtime: list[str] = []
@@ -952,6 +1006,54 @@ def dns_sync(server: str, ca: Path, token: str, hosts: Path, dnsmasq_pid: int, *
         time.sleep(every)
 
 
+# --- the Downgrade's TLS front (test infrastructure, run inside the namespace) ---------------------
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy READER to WRITER until EOF (or either side fails), then close WRITER."""
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except OSError as exc:  # a peer went away (reset, TLS cut): the other direction ends too
+        print(f"downgrade front: {exc!r}", file=sys.stderr, flush=True)
+    finally:
+        writer.close()
+
+
+async def _tls_front(host: str, port: int, tls: ssl.SSLContext, back: tuple[str, int]) -> None:
+    """Accept TLS on HOST:PORT and relay each connection's plain bytes to BACK (the Downgrade)."""
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*back)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
+
+    server = await asyncio.start_server(relay, host, port, ssl=tls)
+    async with server:
+        await server.serve_forever()
+
+
+def serve_downgrade(listen: str, upstream: str, ca: Path, cert: Path, key: Path) -> None:
+    """tests/kube120's Downgrade (plain HTTP on this namespace's 127.0.0.1) in front of UPSTREAM, and
+    a TLS front on LISTEN with the API server's certificate, which pods' service-account CA verifies for
+    `kubernetes.default.svc` and the Service's IP. Bytes pass unchanged; the Downgrade rewrites."""
+    from tests.kube120 import Downgrade  # noqa: PLC0415 - only this subcommand needs it
+
+    host, port = listen.rsplit(":", 1)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(str(cert), str(key))
+    tls.set_alpn_protocols(["http/1.1"])  # the Downgrade speaks HTTP/1.1 only
+    with Downgrade(upstream, ca) as proxy:
+        back = urllib.parse.urlsplit(proxy.url)
+        assert back.hostname is not None and back.port is not None
+        print(f"downgrade: {listen} (TLS) -> {proxy.url} -> {upstream}", flush=True)
+        asyncio.run(_tls_front(host, int(port), tls, (back.hostname, back.port)))
+
+
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.kubenode")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -961,7 +1063,16 @@ def _main(argv: Sequence[str] | None = None) -> int:
     sync.add_argument("--token-file", type=Path, required=True)
     sync.add_argument("--hosts", type=Path, required=True)
     sync.add_argument("--dnsmasq-pid", type=int, required=True)
+    down = sub.add_parser("downgrade", help="tests/kube120's Downgrade behind a TLS front (api_downgrade)")
+    down.add_argument("--listen", required=True, help="HOST:PORT of the TLS front")
+    down.add_argument("--upstream", required=True)
+    down.add_argument("--ca", type=Path, required=True)
+    down.add_argument("--cert", type=Path, required=True)
+    down.add_argument("--key", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.command == "downgrade":
+        serve_downgrade(args.listen, args.upstream, args.ca, args.cert, args.key)
+        return 0
     dns_sync(args.server, args.ca, args.token_file.read_text().strip(), args.hosts, args.dnsmasq_pid)
     return 0
 
