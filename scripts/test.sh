@@ -27,12 +27,20 @@ bash scripts/get-sandbox-tools.sh
 # background build below takes the dpkg lock.
 bash scripts/get-node.sh
 bash scripts/get-browser.sh
+# build-images.sh's host tool, installed now: the image builds overlap get-kube.sh below, whose
+# apt-get would hold the dpkg lock.
+if [ "${LEGORL_IMAGES:-1}" != 0 ] && ! command -v debootstrap >/dev/null 2>&1; then
+  apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
+fi
 # After the other apt users (one dpkg lock); the build overlaps with helm, the linters and mypy.
 mkdir -p .cache
-bash scripts/get-kube.sh >.cache/get-kube.log 2>&1 &
+# At low priority: they overlap the linters, mypy and the image builds (which wait on downloads
+# often); only pytest needs them, so they are waited for after the images.
+nice -n 10 bash scripts/get-kube.sh >.cache/get-kube.log 2>&1 &
 kube_pid=$!
 # The CRDs' current API server (1.36, from Debian sid's Go sources; cached in ~/.cache/legorl/apiext).
-bash scripts/get-apiext.sh >.cache/get-apiext.log 2>&1 &
+nice -n 10 bash scripts/get-apiext.sh >.cache/get-apiext.log 2>&1 &
 apiext_pid=$!
 bash scripts/get-helm.sh .cache/tools
 export PATH="$PWD/.venv/bin:$PATH"
@@ -63,6 +71,11 @@ legorl crds --check
 step "helm lint"
 "$LEGORL_HELM" lint --strict charts/legorl
 
+if [ "${LEGORL_IMAGES:-1}" != 0 ]; then
+  step "every image built and smoke-run (scripts/build-images.sh; LEGORL_IMAGES=0 skips)"
+  bash scripts/build-images.sh --results .cache/images.json
+fi
+
 step "a real control plane (scripts/get-kube.sh)"
 if ! wait "$kube_pid"; then
   cat .cache/get-kube.log >&2
@@ -80,11 +93,6 @@ fi
 grep "get-apiext.sh:" .cache/get-apiext.log || true
 LEGORL_APIEXT_BIN=$(tail -1 .cache/get-apiext.log)
 export LEGORL_APIEXT_BIN
-
-if [ "${LEGORL_IMAGES:-1}" != 0 ]; then
-  step "every image built and smoke-run (scripts/build-images.sh; LEGORL_IMAGES=0 skips)"
-  bash scripts/build-images.sh --results .cache/images.json
-fi
 
 step "pytest"
 set +e
