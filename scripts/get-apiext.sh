@@ -62,7 +62,7 @@ if [ ! -x "$BIN/apiextensions-apiserver" ] || [ ! -x "$BIN/celcost" ]; then
   # shellcheck disable=SC2046  # one word per package=version
   (cd "$work/debs" && apt-get "${apt_private[@]}" download -qq $(printf '%s\n' "$versions"))
   for deb in "$work"/debs/*.deb; do dpkg -x "$deb" "$work/root"; done
-  goroot=$(echo "$work"/root/usr/lib/go-1.27)
+  goroot="$work/root/usr/lib/go-1.27"
   src="$work/root/usr/share/gocode/src/k8s.io/apiextensions-apiserver"
   [ -x "$goroot/bin/go" ] || { echo "get-apiext.sh: no Go 1.27 in $GO_PKG" >&2; exit 1; }
   [ -f "$src/main.go" ] || { echo "get-apiext.sh: no main.go in $ROOT_PKG" >&2; exit 1; }
@@ -72,7 +72,7 @@ if [ ! -x "$BIN/apiextensions-apiserver" ] || [ ! -x "$BIN/celcost" ]; then
   # The build cache is kept: a change to celcost.go rebuilds only what changed.
   gobuild() {
     GOROOT="$goroot" GOPATH="$work/root/usr/share/gocode" GO111MODULE=off GOPROXY=off \
-      GOTOOLCHAIN=local CGO_ENABLED=0 GOCACHE="$CACHE_ROOT/gocache" GOFLAGS= "$goroot/bin/go" build "$@"
+      GOTOOLCHAIN=local CGO_ENABLED=0 GOCACHE="$CACHE_ROOT/gocache" GOFLAGS="" "$goroot/bin/go" build "$@"
   }
   # The release it is, as `/version` and `kubectl version` report it: 0.36.4-1 -> v1.36.4.
   upstream=$(sed -n "s/^$ROOT_PKG=0\.\([0-9]*\)\.\([0-9]*\).*/v1.\1.\2/p" <<<"$versions")
