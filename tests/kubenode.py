@@ -163,6 +163,35 @@ def node_missing() -> str | None:
     return None
 
 
+RESTRICTED_POD: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+"""The restricted Pod Security profile, pod level (no user given: each image's own non-root USER)."""
+RESTRICTED: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "readOnlyRootFilesystem": True,
+}
+"""The restricted Pod Security profile, container level."""
+
+
+def skip_unless_node_can_run(images: Sequence[str]) -> None:
+    """Skip the calling test module when no node can run here or IMAGES are not built; fail instead
+    under LEGORL_REQUIRE_KUBE=1 (but for missing images when LEGORL_IMAGES=0 built none on purpose)."""
+    import pytest  # noqa: PLC0415  (the module also runs as `python -m tests.kubenode`, without pytest)
+
+    why = node_missing()
+    required = os.environ.get("LEGORL_REQUIRE_KUBE") == "1"
+    if why is None and images_missing(images):
+        why = (
+            f"{', '.join(images_missing(images))} not built: run "
+            "`bash scripts/build-images.sh --only proxy --only operator`"
+        )
+        required = required and os.environ.get("LEGORL_IMAGES", "1") != "0"
+    if why is not None:
+        if required:
+            raise RuntimeError(f"LEGORL_REQUIRE_KUBE=1 but no node can run here: {why}")
+        pytest.skip(why, allow_module_level=True)
+
+
 def kubectl_binary() -> str:
     binary = shutil.which("kubectl", path=str(REPO / ".cache/tools/bin")) or shutil.which("kubectl")
     if binary is None:

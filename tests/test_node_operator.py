@@ -46,11 +46,12 @@ from tests.kubenode import (
     CLUSTER_DOMAIN,
     NODE_NAME,
     PAUSE_IMAGE,
+    RESTRICTED,
+    RESTRICTED_POD,
     Node,
-    images_missing,
     node,
-    node_missing,
     pids_in_cgroup,
+    skip_unless_node_can_run,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,28 +64,9 @@ POOL_NAME = "local-images"
 PYTHON = "/opt/legorl/venv/bin/python"
 TIMEOUT = 180.0
 
-_why = node_missing()
-_required = os.environ.get("LEGORL_REQUIRE_KUBE") == "1"
-if _why is None and images_missing([PROXY, OPERATOR]):
-    _why = (
-        f"{', '.join(images_missing([PROXY, OPERATOR]))} not built: run "
-        "`bash scripts/build-images.sh --only proxy --only operator`"
-    )
-    # scripts/test.sh with LEGORL_IMAGES=0 builds no image on purpose.
-    _required = _required and os.environ.get("LEGORL_IMAGES", "1") != "0"
-if _why is not None:
-    if _required:
-        raise RuntimeError(f"LEGORL_REQUIRE_KUBE=1 but no node can run here: {_why}")
-    pytest.skip(_why, allow_module_level=True)
+skip_unless_node_can_run([PROXY, OPERATOR])
 
 pytestmark = pytest.mark.slow
-
-RESTRICTED_POD = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
-RESTRICTED = {
-    "allowPrivilegeEscalation": False,
-    "capabilities": {"drop": ["ALL"]},
-    "readOnlyRootFilesystem": True,
-}
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,13 +26,14 @@ from tests.kubenode import (
     NODE_IP,
     NODE_NAME,
     POD_CIDR,
+    RESTRICTED,
+    RESTRICTED_POD,
     STATE,
     Node,
-    images_missing,
     node,
-    node_missing,
     pids_in_cgroup,
     pids_in_netns,
+    skip_unless_node_can_run,
 )
 
 PROXY = "ghcr.io/legorl/proxy:0.1.0"
@@ -41,29 +41,9 @@ OPERATOR = "ghcr.io/legorl/operator:0.1.0"
 NS = "legorl-e2e"
 PYTHON = "/opt/legorl/venv/bin/python"
 
-_why = node_missing()
-_required = os.environ.get("LEGORL_REQUIRE_KUBE") == "1"
-if _why is None and images_missing([PROXY, OPERATOR]):
-    _why = (
-        f"{', '.join(images_missing([PROXY, OPERATOR]))} not built: run "
-        "`bash scripts/build-images.sh --only proxy --only operator`"
-    )
-    # scripts/test.sh with LEGORL_IMAGES=0 builds no image on purpose.
-    _required = _required and os.environ.get("LEGORL_IMAGES", "1") != "0"
-if _why is not None:
-    if _required:
-        raise RuntimeError(f"LEGORL_REQUIRE_KUBE=1 but no node can run here: {_why}")
-    pytest.skip(_why, allow_module_level=True)
+skip_unless_node_can_run([PROXY, OPERATOR])
 
 pytestmark = pytest.mark.slow
-
-RESTRICTED_POD = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
-RESTRICTED = {
-    "allowPrivilegeEscalation": False,
-    "capabilities": {"drop": ["ALL"]},
-    "readOnlyRootFilesystem": True,
-}
-"""The restricted Pod Security profile (no user given: each image's own non-root USER is used)."""
 
 
 @pytest.fixture(scope="module")
