@@ -31,6 +31,7 @@ VALUE_SETS: dict[str, list[str]] = {
     "existing-service-account": ["serviceAccount.create=false", "serviceAccount.name=existing-sa"],
     "peering": ["operator.peering.enabled=true", "operator.replicas=2"],
     "peering-namespaces": ["operator.peering.enabled=true", "operator.replicas=2", "watchNamespaces={a,b}"],
+    "store-claims": ["ui.enabled=true", "storeClaims={rl-store,runs.shared}"],
 }
 KOPF_PEERING_CRDS = {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
 
@@ -83,7 +84,9 @@ def rules(docs: list[Doc]) -> list[tuple[str, Doc]]:
 
 
 @pytest.mark.parametrize(
-    "values", [[], ["ui.enabled=true"], ["watchNamespaces={a,b}"]], ids=["default", "ui", "watch-namespaces"]
+    "values",
+    [[], ["ui.enabled=true"], ["watchNamespaces={a,b}"], VALUE_SETS["store-claims"]],
+    ids=["default", "ui", "watch-namespaces", "store-claims"],
 )
 def test_lint_strict(helm: str, values: list[str]) -> None:
     result = run_helm(helm, "lint", "--strict", str(CHART), *set_flags(values))
@@ -240,6 +243,50 @@ def test_ui_role_is_read_only(helm: str) -> None:
     assert not ui_services, "the UI renders although ui.enabled is false"
 
 
+# --- run-store claims -------------------------------------------------------------------------------
+
+PVC_ROOT = "/var/run/legorl/pvc"
+
+
+def pod_spec(docs: list[Doc], name: str) -> Doc:
+    spec: Doc = named(docs, "Deployment", name)["spec"]["template"]["spec"]
+    return spec
+
+
+def test_pvc_root_is_the_operators() -> None:
+    from legorl.operator.trials import TrialSettings  # noqa: PLC0415 - the operator's imports, only here
+
+    assert TrialSettings().pvc_root == PVC_ROOT
+
+
+def test_store_claims_are_mounted_into_the_operator_and_read_only_into_the_ui(helm: str) -> None:
+    docs = render(helm, VALUE_SETS["store-claims"])
+    claims = ["rl-store", "runs.shared"]
+    for name, read_only in ((OPERATOR_ROLE, False), (f"{FULLNAME}-ui", True)):
+        pod = pod_spec(docs, name)
+        volumes = {v["name"]: v for v in pod["volumes"] if "persistentVolumeClaim" in v}
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"] if m["name"] in volumes}
+        assert sorted(v["persistentVolumeClaim"]["claimName"] for v in volumes.values()) == claims, name
+        assert mounts.keys() == volumes.keys(), name
+        for volume_name, volume in volumes.items():
+            claim = volume["persistentVolumeClaim"]["claimName"]
+            assert mounts[volume_name]["mountPath"] == f"{PVC_ROOT}/{claim}", name
+            assert mounts[volume_name].get("readOnly", False) is read_only, f"{name}: {claim}"
+            assert volume["persistentVolumeClaim"].get("readOnly", False) is read_only, f"{name}: {claim}"
+        names = [v["name"] for v in pod["volumes"]]
+        assert len(names) == len(set(names)), f"{name}: duplicate volume names {names}"
+    assert f"--pvc-root={PVC_ROOT}" in pod_spec(docs, f"{FULLNAME}-ui")["containers"][0]["args"]
+
+
+def test_no_store_claims_mount_nothing(helm: str) -> None:
+    docs = render(helm, ["ui.enabled=true"])
+    for name in (OPERATOR_ROLE, f"{FULLNAME}-ui"):
+        pod = pod_spec(docs, name)
+        assert [v["name"] for v in pod["volumes"]] == ["tmp"], name
+        assert [m["mountPath"] for m in pod["containers"][0]["volumeMounts"]] == ["/tmp"], name
+        assert not [a for a in pod["containers"][0]["args"] if a.startswith("--pvc-root")], name
+
+
 # --- pod security ---------------------------------------------------------------------------------
 
 
@@ -289,6 +336,9 @@ def test_pods_meet_restricted_standard(helm: str, values: list[str]) -> None:
         ("operator.logLevel=verbose", "logLevel"),
         ("operator.defaultStoreUri=ftp://x", "defaultStoreUri"),
         ("watchNamespaces={Bad_NS}", "watchNamespaces"),
+        ("storeClaims={Bad_Claim}", "storeClaims"),
+        ("storeClaims={a.}", "storeClaims"),
+        ("storeClaims={a,a}", "storeClaims"),
         ("ui.service.type=ExternalName", "type"),
         ("securityContext.readOnlyRootFilesystem=false", "readOnlyRootFilesystem"),
         ("securityContext.privileged=true", "privileged"),
