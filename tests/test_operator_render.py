@@ -18,10 +18,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from legorl.api.common import StorageLocation
 from legorl.api.fleet import WeightSync
 from legorl.api.kinds import KINDS, Resource, RLRun, RolloutFleet, SandboxPool
 from legorl.api.labels import HASH_ANNOTATION
 from legorl.api.run import Harness
+from legorl.api.store import RunStore, StoreLayout
 from legorl.manifests.generated import to_yaml
 from legorl.manifests.load import Document
 from legorl.manifests.validate import validate_document
@@ -600,6 +602,122 @@ def test_nccl_weight_sync_gives_the_engines_the_writers_rendezvous() -> None:
     )
     rendered = render_all([train], RenderContext(), others=[nccl, pool])
     assert "LEGORL_WEIGHT_SYNC_PORT" in trainer_env(child(rendered, "Job", "coder-grpo-trainer"))
+
+
+def engine_pod_specs(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every engine pod template's spec among rendered objects: a Deployment's, a LeaderWorkerSet's leader
+    and worker, each StatefulSet group's."""
+    specs = []
+    for obj in objects:
+        if obj["metadata"]["labels"].get("legorl.dev/component") != "engine":
+            continue
+        if obj["kind"] == "LeaderWorkerSet":
+            templates = obj["spec"]["leaderWorkerTemplate"]
+            specs += [templates["leaderTemplate"]["spec"], templates["workerTemplate"]["spec"]]
+        elif obj["kind"] in ("Deployment", "StatefulSet"):
+            specs.append(obj["spec"]["template"]["spec"])
+    return specs
+
+
+def store_of(pod: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(volume, its mount) of the run store (the volume named `store`) in a pod spec; None without one."""
+    volumes = [v for v in pod["volumes"] if v["name"] == "store"]
+    mounts = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "store"]
+    if not volumes and not mounts:
+        return None
+    ((volume,), (mount,)) = (volumes, mounts)
+    return volume, mount
+
+
+def test_filesystem_sync_mounts_the_run_store_in_every_engine_pod_where_the_trainer_publishes() -> None:
+    (loaded,) = load(GOLDEN / "inputs/run-suspended.yaml")
+    assert isinstance(loaded, RLRun)
+    spec = loaded.spec.model_copy(update={"suspend": False, "store": StorageLocation(uri="pvc://runs/x")})
+    assert spec.fleet is not None and spec.fleet.weight_sync.method == "Filesystem"
+    assert spec.fleet.weight_sync.store_claim is None
+    run = stored(loaded.model_copy(update={"spec": spec}))
+    objects = render_all([run], RenderContext())
+    # The run's own fleet names the store's claim; its engines mount it read-only at /store.
+    fleet = child(objects, "RolloutFleet", "paused-grpo-fleet")
+    assert fleet["spec"]["weightSync"]["storeClaim"] == "runs"
+    (pod,) = engine_pod_specs(objects)
+    engine_store = store_of(pod)
+    assert engine_store == (
+        {"name": "store", "persistentVolumeClaim": {"claimName": "runs", "readOnly": True}},
+        {"name": "store", "mountPath": "/store", "readOnly": True},
+    )
+    assert engine_store is not None
+    engine_mount = str(engine_store[1]["mountPath"])
+    # The trainer mounts the same claim at the same path and writes the store there: every path it sends
+    # the engines (weights/vN of its store) lies under their mount.
+    job = child(objects, "Job", "paused-grpo-trainer")
+    trainer_store = store_of(job["spec"]["template"]["spec"])
+    assert trainer_store is not None
+    volume, mount = trainer_store
+    assert volume["persistentVolumeClaim"]["claimName"] == "runs" and mount["mountPath"] == "/store"
+    store_uri = trainer_env(job)["LEGORL_STORE_URI"]
+    assert store_uri == "file:///store/x/research/paused-grpo"
+    sent = RunStore(store_uri).local_path(StoreLayout.weights("v1"))
+    assert sent == Path("/store/x/research/paused-grpo/weights/v1")
+    assert sent.is_relative_to(engine_mount)
+    for obj in objects:
+        check_upstream(obj)
+
+
+def test_store_claim_reaches_leaders_and_workers_and_only_under_filesystem_sync() -> None:
+    (loaded,) = load(GOLDEN / "inputs/fleet-multinode.yaml")
+    assert isinstance(loaded, RolloutFleet) and loaded.spec.weight_sync.method == "NCCL"
+    nccl = stored(loaded)
+
+    def with_sync(**changes: Any) -> RolloutFleet:
+        sync = nccl.spec.weight_sync.model_copy(update=changes)
+        return stored(nccl.model_copy(update={"spec": nccl.spec.model_copy(update={"weight_sync": sync})}))
+
+    filesystem = with_sync(method="Filesystem", store_claim="rl-store")
+    for ctx in (RenderContext(), RenderContext(lws_available=True)):
+        # A leader and a worker template (LeaderWorkerSet), or one template per group (StatefulSets).
+        pods = engine_pod_specs(render_fleet(filesystem, ctx))
+        assert len(pods) == 2
+        for pod in pods:
+            store = store_of(pod)
+            assert store is not None
+            assert store[0]["persistentVolumeClaim"] == {"claimName": "rl-store", "readOnly": True}
+            assert store[1] == {"name": "store", "mountPath": "/store", "readOnly": True}
+        # NCCL sends the weights over the wire: no store, even when a claim is named.
+        for fleet in (nccl, with_sync(store_claim="rl-store")):
+            assert [store_of(pod) for pod in engine_pod_specs(render_fleet(fleet, ctx))] == [None, None]
+    # Without a claim a Filesystem fleet mounts nothing (preflight says what to set).
+    assert (
+        store_of(engine_pod_specs(render_fleet(with_sync(method="Filesystem"), RenderContext()))[0]) is None
+    )
+
+
+def test_an_inline_fleet_gets_its_store_claim_from_the_runs_pvc_store_only() -> None:
+    (loaded,) = load(GOLDEN / "inputs/run-suspended.yaml")
+    assert isinstance(loaded, RLRun) and loaded.spec.fleet is not None
+
+    def owned_sync(ctx: RenderContext | None = None, **spec: Any) -> dict[str, Any]:
+        run = stored(loaded.model_copy(update={"spec": loaded.spec.model_copy(update=spec)}))
+        sync: dict[str, Any] = child(
+            render_run(run, ctx or RenderContext(), 8000), "RolloutFleet", "paused-grpo-fleet"
+        )["spec"]["weightSync"]
+        return sync
+
+    fleet = loaded.spec.fleet
+    # No spec.store: the operator's default store, when it is a claim.
+    assert (
+        owned_sync(RenderContext(default_store_uri="pvc://shared/runs"), store=None)["storeClaim"] == "shared"
+    )
+    assert "storeClaim" not in owned_sync(RenderContext(default_store_uri="s3://b/runs"), store=None)
+    assert "storeClaim" not in owned_sync(store=StorageLocation(uri="s3://b/runs"))
+    # NCCL, an Evaluate run (no trainer publishes) and a claim the user named are left alone.
+    nccl = fleet.model_copy(update={"weight_sync": fleet.weight_sync.model_copy(update={"method": "NCCL"})})
+    assert "storeClaim" not in owned_sync(fleet=nccl)
+    assert "storeClaim" not in owned_sync(mode="Evaluate")
+    named = fleet.model_copy(
+        update={"weight_sync": fleet.weight_sync.model_copy(update={"store_claim": "mine"})}
+    )
+    assert owned_sync(fleet=named)["storeClaim"] == "mine"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import pytest
 
 from legorl.api.kinds import RLRun, RolloutFleet
 from legorl.manifests import Problem, parse_documents, validate_documents
-from legorl.manifests.preflight import check_resource
+from legorl.manifests.preflight import check_resource, check_run_against_fleet
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 BASE = (EXAMPLES / "tiny-local.yaml").read_text()
@@ -334,3 +334,95 @@ def test_the_default_engine_image_is_legorls() -> None:
     assert isinstance(fleet.resource, RolloutFleet)
     assert fleet.resource.spec.engine.image == "ghcr.io/legorl/engine:0.1.0"
     assert check_resource(fleet.resource) == []
+
+
+STORE_CLAIM = "    storeClaim: rl-store\n"
+TRAIN_STORE = "    uri: pvc://rl-store/coder-grpo\n"
+
+
+def shared_run_problems(text: str) -> dict[str, list[Problem]]:
+    """Problems of each RLRun of the shared example (edited)."""
+    reports = validate_documents(parse_documents(text, "s.yaml"))
+    return {
+        r.document.body["metadata"]["name"]: r.problems for r in reports if r.document.body["kind"] == "RLRun"
+    }
+
+
+def test_a_shared_filesystem_fleet_must_mount_the_training_runs_store_claim() -> None:
+    assert STORE_CLAIM in SHARED and TRAIN_STORE in SHARED
+    assert shared_run_problems(SHARED) == {"coder-grpo": [], "coder-benchmark": []}
+    # No claim: the engines could never open the paths the trainer sends. The Evaluate run publishes nothing.
+    found = shared_run_problems(SHARED.replace(STORE_CLAIM, ""))
+    assert found["coder-benchmark"] == []
+    (problem,) = found["coder-grpo"]
+    assert (problem.severity, problem.path, problem.check) == ("error", "spec.fleetRef.name", "preflight")
+    assert "fleet 'coder-fleet' loads published weights from a path in the run store" in problem.message
+    assert "set the fleet's weightSync.storeClaim to 'rl-store'" in problem.message
+    # Another claim than the store's.
+    (problem,) = shared_run_problems(SHARED.replace(STORE_CLAIM, "    storeClaim: other\n"))["coder-grpo"]
+    assert (problem.severity, problem.path) == ("error", "spec.fleetRef.name")
+    assert (
+        "mounts claim 'other'" in problem.message
+        and "set weightSync.storeClaim to 'rl-store'" in problem.message
+    )
+    # An NCCL fleet needs no store.
+    nccl = SHARED.replace("    method: Filesystem\n" + STORE_CLAIM, "    method: NCCL\n")
+    assert shared_run_problems(nccl) == {"coder-grpo": [], "coder-benchmark": []}
+
+
+def test_a_run_on_the_default_store_is_checked_against_the_operators_store() -> None:
+    text = SHARED.replace(STORE_CLAIM, "").replace("  store:\n" + TRAIN_STORE, "")
+    reports = validate_documents(parse_documents(text, "s.yaml"))
+    # `legorl validate` does not know the operator's default store: it says what to set if it is a claim.
+    (problem,) = next(r.problems for r in reports if r.document.body["metadata"]["name"] == "coder-grpo")
+    assert (problem.severity, problem.path) == ("warning", "spec.fleetRef.name")
+    assert "if that is pvc://CLAIM/..., set weightSync.storeClaim: CLAIM on the fleet" in problem.message
+    # The operator does: it refuses a fleet without that claim, or any Filesystem fleet on an object store.
+    run = next(
+        r.resource for r in reports if isinstance(r.resource, RLRun) and r.resource.spec.mode == "Train"
+    )
+    fleet = next(r.resource for r in reports if isinstance(r.resource, RolloutFleet))
+    assert isinstance(run, RLRun) and isinstance(fleet, RolloutFleet)
+    (problem,) = check_run_against_fleet(run, fleet, "pvc://legorl-store/runs")
+    assert problem.severity == "error" and "weightSync.storeClaim to 'legorl-store'" in problem.message
+    assert "the operator's default store" in problem.message
+    (problem,) = check_run_against_fleet(run, fleet, "s3://bucket/runs")
+    assert problem.severity == "error" and "is an object store" in problem.message
+    sync = fleet.spec.weight_sync.model_copy(update={"store_claim": "legorl-store"})
+    mounted = fleet.model_copy(update={"spec": fleet.spec.model_copy(update={"weight_sync": sync})})
+    assert list(check_run_against_fleet(run, mounted, "pvc://legorl-store/runs")) == []
+
+
+@pytest.mark.parametrize("fleet", ["inline", "shared"])
+def test_an_object_store_cannot_feed_a_filesystem_weight_sync(fleet: str) -> None:
+    # The trainer refuses it at start (the engines load weights from a path): preflight says so first.
+    if fleet == "inline":
+        text = BASE.replace("  stop:\n", "  store:\n    uri: s3://bucket/runs\n  stop:\n")
+        found = problems(text)
+    else:
+        text = SHARED.replace(TRAIN_STORE, "    uri: s3://bucket/runs\n")
+        found = shared_run_problems(text)["coder-grpo"]
+    (problem,) = found
+    assert (problem.severity, problem.path) == ("error", "spec.store.uri")
+    assert "s3://bucket/runs (spec.store.uri) is an object store" in problem.message
+    assert "pvc://CLAIM/path" in problem.message and "use weightSync.method NCCL" in problem.message
+
+
+def test_an_inline_fleet_takes_its_store_claim_from_the_store() -> None:
+    store = "  store:\n    uri: pvc://runs/x\n  stop:\n"
+    # The operator sets the claim; one the user names must be the store's.
+    assert problems(BASE.replace("  stop:\n", store)) == []
+    fleet = "  fleet:\n    replicas: 1\n"
+    assert fleet in BASE
+    named = BASE.replace("  stop:\n", store).replace(fleet, fleet + "    weightSync: {storeClaim: runs}\n")
+    assert problems(named) == []
+    (problem,) = problems(named.replace("storeClaim: runs", "storeClaim: other"))
+    assert (problem.severity, problem.path) == ("error", "spec.fleet.weightSync.storeClaim")
+    assert "set weightSync.storeClaim to 'runs' or remove it" in problem.message
+    # On the operator's default store: only an object store is a problem (a claim is set from it).
+    (report,) = validate_documents(parse_documents(BASE, "t.yaml"))
+    assert isinstance(report.resource, RLRun)
+    assert check_resource(report.resource, "pvc://legorl-store/runs") == []
+    (problem,) = check_resource(report.resource, "s3://bucket/runs")
+    assert (problem.severity, problem.path) == ("error", "spec.fleet.weightSync.method")
+    assert "the operator's default store" in problem.message

@@ -211,6 +211,14 @@ class StorageLocation(ApiModel):
     """Secret with credentials for the store (e.g. AWS keys), mounted as env."""
 
 
+def pvc_claim(uri: str) -> str | None:
+    """The PersistentVolumeClaim of a `pvc://CLAIM/path` URI; None for any other scheme."""
+    scheme, _, rest = uri.partition("://")
+    if scheme != "pvc":
+        return None
+    return rest.partition("/")[0] or None
+
+
 class TaskSetSource(ApiModel):
     """A task-set manifest: SWE-bench-style instances as JSONL or Parquet, each naming its image."""
 

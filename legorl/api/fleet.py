@@ -12,6 +12,7 @@ from legorl.api._base import (
     ApiModel,
     CelRule,
     DnsLabel,
+    DnsSubdomain,
     NamedList,
     Seconds,
     rules,
@@ -131,6 +132,12 @@ class WeightSync(ApiModel):
     under the new weights, `Wait` drains first, `Abort` ends them (trials see `engine_error`)."""
     timeout_seconds: Seconds = 600
     """Limit for one whole update; a replica that misses it is restarted."""
+    store_claim: DnsSubdomain | None = None
+    """Under `Filesystem` sync: the PersistentVolumeClaim (in the fleet's namespace) that holds the run store
+    the trainer publishes into, mounted read-only at `/store` in every engine pod (leaders and workers), the
+    path the trainer's pod mounts it at, so the weight paths the trainer sends resolve. A training RLRun's
+    inline fleet gets it from the run's `pvc://` store (`spec.store.uri`, else the operator's default store);
+    set it on a shared fleet whose training runs keep their stores on that claim. Unused by `NCCL`."""
 
 
 class FleetTemplate(ApiModel):

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from legorl.api._base import parse_quantity
-from legorl.api.common import ContainerImage, EnvVar, ResourceRequirements
+from legorl.api.common import ContainerImage, EnvVar, ResourceRequirements, pvc_claim
 from legorl.api.fleet import (
     DEFAULT_ENGINE_IMAGE,
     ENGINE_MIDDLEWARE,
@@ -23,6 +23,7 @@ from legorl.api.fleet import (
     PLUGIN_WEIGHT_SYNC,
     WEIGHT_TRANSFER_BACKENDS,
     FleetTemplate,
+    WeightSync,
     is_engine_image,
 )
 from legorl.api.kinds import Resource, RLRun, RolloutFleet, SandboxPool
@@ -297,6 +298,78 @@ def check_engine_image(res: Resource) -> Iterator[Problem]:
     )
 
 
+_PATH_SYNC = "loads published weights from a path in the run store (weightSync.method Filesystem)"
+
+
+def _filesystem_sync_store(
+    run: RLRun, sync: WeightSync, fleet: str | None, default_store_uri: str | None
+) -> Iterator[Problem]:
+    """Under Filesystem weight sync the trainer sends the engines the path of each version it publishes in the
+    run store, so the engines must mount that store where the trainer does: a `pvc://CLAIM/...` store is the
+    fleet's `weightSync.storeClaim` (an inline fleet gets it from the store; `fleet` None), an object store
+    cannot be (the trainer refuses it at start). `default_store_uri` is the operator's store for runs without
+    `spec.store` (None: unknown, as in `legorl validate`)."""
+    if run.spec.mode != "Train" or sync.method != "Filesystem":
+        return
+    store = run.spec.store.uri if run.spec.store is not None else default_store_uri
+    where = "spec.fleet.weightSync" if fleet is None else "spec.fleetRef.name"
+    subject = "the run's fleet" if fleet is None else f"fleet {fleet!r}"
+    if store is None:
+        if fleet is not None and sync.store_claim is None:
+            yield Problem(
+                "warning",
+                where,
+                f"{subject} {_PATH_SYNC} but sets no weightSync.storeClaim, so its engines mount no store; "
+                "this run keeps its store in the operator's default store: if that is pvc://CLAIM/..., set "
+                "weightSync.storeClaim: CLAIM on the fleet, else set spec.store to a pvc:// store and the "
+                "fleet's storeClaim to its claim, or use a fleet whose weightSync.method is NCCL",
+                "preflight",
+            )
+        return
+    own_store = run.spec.store is not None
+    what = "spec.store.uri" if own_store else "the operator's default store"
+    if store.partition("://")[0] in ("s3", "gs"):
+        yield Problem(
+            "error",
+            "spec.store.uri" if own_store else where if fleet is not None else f"{where}.method",
+            f"the run store {store} ({what}) is an object store, but {subject} {_PATH_SYNC}, which the "
+            "trainer refuses at start: keep the store on a volume the engines can mount (pvc://CLAIM/path, "
+            "which they mount through weightSync.storeClaim) or use weightSync.method NCCL",
+            "preflight",
+        )
+        return
+    claim = pvc_claim(store)
+    if claim is None or sync.store_claim == claim:
+        return  # file://: a directory the engines read as it is (local runs)
+    if sync.store_claim is None:
+        if fleet is None:
+            return  # the operator sets the inline fleet's storeClaim from the store
+        yield Problem(
+            "error",
+            where,
+            f"{subject} {_PATH_SYNC} but mounts no store: its engines would never find the weights this run "
+            f"publishes in {store} ({what}); set the fleet's weightSync.storeClaim to {claim!r}, or use a "
+            "fleet whose weightSync.method is NCCL",
+            "preflight",
+        )
+        return
+    yield Problem(
+        "error",
+        f"{where}.storeClaim" if fleet is None else where,
+        f"{subject} mounts claim {sync.store_claim!r} (weightSync.storeClaim) for its weights, but this run "
+        f"publishes them in {store} ({what}), on claim {claim!r}: set weightSync.storeClaim to {claim!r}"
+        + (" or remove it (the operator then sets it from the store)" if fleet is None else ""),
+        "preflight",
+    )
+
+
+def check_run_store(res: Resource, default_store_uri: str | None = None) -> Iterator[Problem]:
+    """A training run's inline fleet must reach the run store under Filesystem weight sync
+    (`_filesystem_sync_store`); a referenced fleet is checked in `check_run_against_fleet`."""
+    if isinstance(res, RLRun) and res.spec.fleet is not None:
+        yield from _filesystem_sync_store(res, res.spec.fleet.weight_sync, None, default_store_uri)
+
+
 def check_pool_defenses(res: Resource) -> Iterator[Problem]:
     pools: list[tuple[str, Any]] = []
     if isinstance(res, SandboxPool):
@@ -404,8 +477,12 @@ def check_references(all_reports: list[DocumentReport]) -> None:
                 )
 
 
-def check_run_against_fleet(run: RLRun, fleet: RolloutFleet) -> Iterator[Problem]:
-    """What a run implies for the fleet it references (same checkpoint, capture on, dtypes)."""
+def check_run_against_fleet(
+    run: RLRun, fleet: RolloutFleet, default_store_uri: str | None = None
+) -> Iterator[Problem]:
+    """What a run implies for the fleet it references (same checkpoint, capture on, dtypes, the run store
+    mounted under Filesystem weight sync). `default_store_uri`: the operator's store for runs without
+    `spec.store` (None: unknown)."""
     if run.spec.policy.checkpoint.uri != fleet.spec.model.uri:
         yield Problem(
             "error",
@@ -445,6 +522,7 @@ def check_run_against_fleet(run: RLRun, fleet: RolloutFleet) -> Iterator[Problem
             "weightSync.method is Filesystem",
             "preflight",
         )
+    yield from _filesystem_sync_store(run, fleet.spec.weight_sync, fleet.metadata.name, default_store_uri)
 
 
 def preflight(reports: list[DocumentReport]) -> None:
@@ -455,11 +533,13 @@ def preflight(reports: list[DocumentReport]) -> None:
     check_references(reports)
 
 
-def _run_single(res: Resource) -> Iterator[Problem]:
+def _run_single(res: Resource, default_store_uri: str | None = None) -> Iterator[Problem]:
     for check in SINGLE_CHECKS:
         yield from check(res)
+    yield from check_run_store(res, default_store_uri)
 
 
-def check_resource(res: Resource) -> list[Problem]:
-    """Every single-object preflight check of one valid resource (what the operator re-runs)."""
-    return list(_run_single(res))
+def check_resource(res: Resource, default_store_uri: str | None = None) -> list[Problem]:
+    """Every single-object preflight check of one valid resource (what the operator re-runs, with its default
+    run store for runs that set no `spec.store`; None: unknown, as in `legorl validate`)."""
+    return list(_run_single(res, default_store_uri))

@@ -372,7 +372,7 @@ class Reconciler:
     async def _run_problems(
         self, run: RLRun, fleet: RolloutFleet | None, pool: SandboxPool | None
     ) -> list[Problem]:
-        problems = check_resource(run)
+        problems = check_resource(run, self.ctx.default_store_uri)
         ns = run.metadata.namespace or "default"
         if run.spec.fleet_ref is not None:
             if fleet is None:
@@ -386,7 +386,7 @@ class Reconciler:
                     )
                 )
             else:
-                problems += list(check_run_against_fleet(run, fleet))
+                problems += list(check_run_against_fleet(run, fleet, self.ctx.default_store_uri))
         if run.spec.pool_ref is not None and pool is None:
             problems.append(
                 Problem(

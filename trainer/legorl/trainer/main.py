@@ -33,7 +33,13 @@ def parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--spec", type=Path, help="RLRun manifest (default: <store>/run.json)")
-    p.add_argument("--run", help="RLRun name (checked against the manifest; pods pass it)")
+    p.add_argument(
+        "--run",
+        # The trainer pod passes it in the environment: torchrun's own parser refuses any argument of the
+        # script that starts with `--run` ("ambiguous option: could match --run-path, --run_path").
+        default=os.environ.get("LEGORL_RUN") or None,
+        help="RLRun name (checked against the manifest; default: $LEGORL_RUN, which the trainer pod sets)",
+    )
     p.add_argument(
         "--store",
         default=os.environ.get("LEGORL_STORE_URI"),

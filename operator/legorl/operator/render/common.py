@@ -19,6 +19,11 @@ MANAGED_BY = "legorl-operator"
 
 MAX_LABEL_VALUE = 63
 
+STORE_MOUNT = "/store"
+"""Where a `pvc://CLAIM/path` run store's claim is mounted: in the trainer's pods (read-write, the store at
+`file:///store/path`) and, under Filesystem weight sync, in every engine pod of its fleet (read-only), so the
+weight paths the trainer sends the engines resolve in their pods too."""
+
 
 @dataclass(frozen=True)
 class Images:

@@ -17,6 +17,7 @@ from legorl.api.kinds import RolloutFleet
 from legorl.api.labels import COMPONENT_LABEL, REPLICA_LABEL
 from legorl.operator.render.common import (
     RESTRICTED_POD_SECURITY,
+    STORE_MOUNT,
     RenderContext,
     env_list,
     headless_service,
@@ -72,6 +73,17 @@ def model_location(fleet: RolloutFleet) -> tuple[str, list[dict[str, Any]], list
         f"{uri!r}: {scheme}:// models exist only in local runs (`legorl run`); "
         "on a cluster use hf://, s3://, gs:// or pvc://",
     )
+
+
+def store_volume(fleet: RolloutFleet) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volume mounts) of the run store under Filesystem weight sync: `weightSync.storeClaim`,
+    read-only at the path the trainer's pod mounts it at, where the weight paths the trainer sends lie.
+    Nothing under NCCL (the weights come over the wire) or without a claim."""
+    sync = fleet.spec.weight_sync
+    if sync.method != "Filesystem" or sync.store_claim is None:
+        return [], []
+    volume = {"name": "store", "persistentVolumeClaim": {"claimName": sync.store_claim, "readOnly": True}}
+    return [volume], [{"name": "store", "mountPath": STORE_MOUNT, "readOnly": True}]
 
 
 def vllm_args(fleet: RolloutFleet, model_arg: str, extra: list[str]) -> list[str]:
@@ -180,6 +192,8 @@ def _engine_container(fleet: RolloutFleet, role: str) -> tuple[dict[str, Any], l
     """(container, volumes) for an engine pod; role is `single`, `leader` or `worker`."""
     spec = fleet.spec
     model_arg, volumes, mounts, extra = model_location(fleet)
+    store_volumes, store_mounts = store_volume(fleet)
+    volumes, mounts = volumes + store_volumes, mounts + store_mounts
     args = vllm_args(fleet, model_arg, extra)
     serve = shlex.join(["vllm", "serve", *args])
     if role == "single":

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from legorl.api._base import GROUP_VERSION
+from legorl.api.common import pvc_claim
 from legorl.api.fleet import RolloutFleetSpec
 from legorl.api.kinds import RLRun
 from legorl.api.labels import (
@@ -22,6 +23,7 @@ from legorl.api.labels import (
 from legorl.api.pool import SandboxPoolSpec
 from legorl.operator.render.common import (
     RESTRICTED_POD_SECURITY,
+    STORE_MOUNT,
     RenderContext,
     headless_service,
     label_value,
@@ -47,7 +49,6 @@ ephemeral ports between the trainer pods."""
 WEIGHT_SYNC_PORT = 29650
 """Under NCCL weight sync: the writer rank's TCP rendezvous, which every engine worker of every replica joins
 (vLLM's NCCL weight-transfer group; NCCL then opens ephemeral ports in both directions)."""
-STORE_MOUNT = "/store"
 
 WeightSyncMethod = Literal["Filesystem", "NCCL"]
 """`RolloutFleet.spec.weightSync.method`."""
@@ -121,9 +122,16 @@ def _owned(run: RLRun, kind: str, name: str, spec: RolloutFleetSpec | SandboxPoo
     }
 
 
-def _owned_fleet(run: RLRun) -> dict[str, Any]:
+def _owned_fleet(run: RLRun, ctx: RenderContext) -> dict[str, Any]:
+    """The run's inline fleet, serving its policy checkpoint. A training run whose fleet loads weights from
+    the store's path (Filesystem sync) and whose store is a `pvc://` claim gets that claim as the fleet's
+    `weightSync.storeClaim` unless it names one: the engines then mount it where the trainer does."""
     assert run.spec.fleet is not None
     template = run.spec.fleet.to_wire()
+    sync = template["weightSync"]
+    claim = pvc_claim(store_uri(run, ctx))
+    if run.spec.mode == "Train" and sync["method"] == "Filesystem" and claim and "storeClaim" not in sync:
+        template["weightSync"] = {**sync, "storeClaim": claim}
     spec = RolloutFleetSpec.model_validate({**template, "model": run.spec.policy.checkpoint.to_wire()})
     return _owned(run, "RolloutFleet", fleet_name(run), spec)
 
@@ -200,7 +208,8 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int, nccl: bool) ->
         "--master-port=$(MASTER_PORT)",
         "-m",
         "legorl.trainer",
-        f"--run={run.metadata.name}",
+        # No `--run=NAME`: torchrun refuses a script argument starting with `--run` (ambiguous with its
+        # `--run-path`); the trainer reads the name from $LEGORL_RUN.
     ]
     container: dict[str, Any] = {
         "name": "trainer",
@@ -349,7 +358,7 @@ def render_run(
     nccl = sync_method(run, fleet_sync) == "NCCL"
     objects: list[dict[str, Any]] = []
     if run.spec.fleet is not None:
-        objects.append(_owned_fleet(run))
+        objects.append(_owned_fleet(run, ctx))
     if run.spec.pool is not None:
         objects.append(_owned_pool(run))
     if run.spec.mode == "Train":
