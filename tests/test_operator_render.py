@@ -237,6 +237,12 @@ def test_cpu_fleet_requests_no_gpus_and_sizes_its_kv_cache() -> None:
     assert "nvidia.com/gpu" not in str(container.get("resources"))
     assert {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "4"} in container["env"]
     assert "--gpu-memory-utilization" not in container["args"]
+    # Eager: vLLM's CPU build would compile kernels with a C++ compiler at start, which the engine image
+    # lacks (the first CPU fleet on a real node died of it). Once, whether or not the user asked too.
+    assert container["args"].count("--enforce-eager") == 1
+    asked = fleet_from({"parallelism": {"gpusPerNode": 0}, "settings": {"extraArgs": ["--enforce-eager"]}})
+    assert vllm_args(asked, "org/m", []).count("--enforce-eager") == 1
+    assert "--enforce-eager" not in vllm_args(fleet_from({}), "org/m", [])
 
 
 def test_gpu_fleet_requests_whole_gpus_and_keeps_user_resources() -> None:

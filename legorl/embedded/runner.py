@@ -87,8 +87,6 @@ def engine_args(run: RLRun) -> list[str]:
             skip = True
             continue
         out.append(arg)
-    if fleet.spec.parallelism.gpus_per_node == 0 and "--enforce-eager" not in out:
-        out.append("--enforce-eager")
     return out
 
 

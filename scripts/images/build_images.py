@@ -507,8 +507,9 @@ ENGINE_STARTUP_SECONDS = 600
 
 def engine_smoke_fleet(image: str, port: int) -> RolloutFleet:
     """A RolloutFleet as a CPU cluster would run this image: the tiny model from a PVC, fp32, no
-    routed-expert capture (it needs Triton), `--enforce-eager` (the image ships no compiler), a 1 GB KV
-    cache; weight sync Filesystem, the default, so the pods load legorl's plugin and middleware."""
+    routed-expert capture (it needs Triton), a 1 GB KV cache, and nothing else: the operator adds
+    `--enforce-eager` to every CPU fleet (the image ships no compiler). Weight sync Filesystem, the
+    default, so the pods load legorl's plugin and middleware."""
     return RolloutFleet.model_validate(
         {
             "apiVersion": GROUP_VERSION,
@@ -526,7 +527,6 @@ def engine_smoke_fleet(image: str, port: int) -> RolloutFleet:
                     "dtype": "float32",
                     "maxModelLen": 1024,
                     "routedExpertsCapture": "Disabled",
-                    "extraArgs": ["--enforce-eager"],
                     "env": [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}],
                 },
                 "port": port,

@@ -116,6 +116,10 @@ def vllm_args(fleet: RolloutFleet, model_arg: str, extra: list[str]) -> list[str
         args += ["--max-num-seqs", str(settings.max_num_seqs)]
     if par.gpus_per_node > 0:
         args += ["--gpu-memory-utilization", f"{settings.gpu_memory_utilization_percent / 100:.2f}"]
+    elif "--enforce-eager" not in settings.extra_args:
+        # vLLM's CPU build compiles its kernels with a C++ compiler at start unless eager; the engine image
+        # ships none ("InvalidCxxCompiler: No working C++ compiler found", seen on a real node).
+        args.append("--enforce-eager")
     args.append(
         "--enable-prefix-caching" if settings.prefix_caching == "Enabled" else "--no-enable-prefix-caching"
     )
