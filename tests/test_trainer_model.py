@@ -226,6 +226,8 @@ def test_saved_checkpoint_loads_in_transformers(
     assert convert.save_hf_checkpoint(net, arch, out, source_dir=tiny) == out
     assert not (out / "stale.txt").exists()
     assert [p.name for p in out.parent.iterdir()] == ["v1"], "temporary directories left behind"
+    # A checkpoint is copied onto volumes that engines of another uid read: not safetensors' own 0600.
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (tiny / name).read_bytes() or name == "config.json", name
     hf = _hf_model(out)

@@ -131,6 +131,11 @@ def test_publish_then_read_round_trips(tmp_path: Path) -> None:
     }
     # Nothing but the version directory is left next to it (no temporary directory).
     assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v1"]
+    # Readable by any uid (an engine may run as another user than the trainer): safetensors itself
+    # creates its files 0600.
+    assert {p.name: p.stat().st_mode & 0o777 for p in Path(published.path).glob("*.safetensors")} == {
+        "model.safetensors": 0o644
+    }
 
 
 def test_the_run_store_reads_the_marker_the_publisher_writes(tmp_path: Path) -> None:

@@ -34,10 +34,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from legorl.trainer import compat
 from legorl.trainer.model import MoeArchitecture, unwrap
+from legorl.trainer.publish import save_readable
 
 with compat.silence_import_warnings():
     from megatron.core import parallel_state
@@ -903,7 +903,7 @@ def save_hf_checkpoint(
             config["dtype"] = dtype_name
         # transformers writes config.json the same way (sorted keys, indent 2).
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file(tensors, str(tmp / SAFETENSORS_FILE), metadata={"format": "pt"})
+        save_readable(tensors, tmp / SAFETENSORS_FILE)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

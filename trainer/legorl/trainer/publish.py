@@ -50,6 +50,14 @@ TensorSpec = dict[str, tuple[tuple[int, ...], str]]
 """Tensor name → (shape, safetensors dtype name), as read from safetensors headers."""
 
 
+def save_readable(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """`safetensors.torch.save_file`, leaving the file readable by all (0644) as `open()` would under the
+    usual umask: safetensors creates it 0600, which an engine running as another uid (or a copy onto a
+    volume) cannot read ("No such file or directory", as vLLM reports it)."""
+    safetensors.torch.save_file(dict(tensors), str(path), metadata={"format": "pt"})
+    path.chmod(0o644)
+
+
 def checkpoint_files(directory: Path) -> list[Path]:
     """The safetensors files of a Hugging Face checkpoint directory, in shard order."""
     directory = Path(directory)
@@ -259,7 +267,7 @@ def _write_shards(
             seen_storage.add(tensor.untyped_storage().data_ptr())
             tensors[name] = tensor
             weight_map[name] = file_name
-        safetensors.torch.save_file(tensors, str(directory / file_name), metadata={"format": "pt"})
+        save_readable(tensors, directory / file_name)
         del tensors
     files = [directory / name for name in file_names]
     if len(files) > 1:
