@@ -370,6 +370,23 @@ def test_preserve_keeps_history_on_purpose(hostile_repo: tuple[Path, str, str], 
     assert "v1.0.1" in git(tmp_path / "ws", "tag")
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder owned by another uid needs root")
+def test_a_workspace_on_a_mount_point_owned_by_another_uid_is_staged_and_checked(
+    hostile_repo: tuple[Path, str, str], tmp_path: Path
+) -> None:
+    """In a trial pod the staged workspace is an emptyDir's mount point, owned by root, and the stage runs
+    as the agent (65532): git's ownership check then hides the repository from every git call."""
+    source, base, _ = hostile_repo
+    pristine = tmp_path / "pristine"
+    workspace.checkout_source(source, base, pristine)
+    into = tmp_path / "ws"
+    into.mkdir()
+    os.chown(into, 65532, 65532)  # not the uid that runs git here (root)
+    checks = workspace.stage(pristine, into, hidden_tests=[HIDDEN])
+    assert checks and all(c.passed for c in checks), [c.to_dict() for c in checks]
+    assert len(workspace.git(["rev-list", "--all"], into).stdout.split()) == 1
+
+
 def test_setup_refuses_a_missing_base_commit(hostile_repo: tuple[Path, str, str], tmp_path: Path) -> None:
     source, _, _ = hostile_repo
     with pytest.raises(workspace.SetupError, match=r"base commit 0{40} is not in"):

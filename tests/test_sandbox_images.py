@@ -1084,6 +1084,26 @@ def test_build_tool_makes_a_sources_only_zipapp(staged_tool: Path) -> None:
     assert not [n for n in names if "tiny-python" in n], "its templates (the answers) stay out too"
 
 
+def test_the_zipapp_exits_with_the_stages_status(tmp_path: Path) -> None:
+    """An init container's exit status is the trial's verdict (3: defense_failed, 5: sandbox_error); the
+    zipapp's `__main__` must not turn them into 0, as zipapp's own generated one does."""
+    out = tmp_path / "tool.pyz"
+    built = subprocess.run(
+        ["sh", str(INIT / "build-tool.sh"), sys.executable, str(IMAGES), str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr
+    setup = subprocess.run(
+        [sys.executable, "-I", str(out), "setup", f"--workspace={tmp_path / 'missing'}",
+         f"--into={tmp_path / 'staged'}", f"--baseline={tmp_path / 'baseline.json'}"],
+        capture_output=True, text=True, check=False, env=clean_env(),
+    )  # fmt: skip
+    assert setup.returncode == 5, (setup.returncode, setup.stdout, setup.stderr)
+    assert '"result": "Error"' in setup.stdout
+
+
 def test_build_tool_refuses_a_tree_without_the_cli(tmp_path: Path) -> None:
     result = subprocess.run(
         ["sh", str(INIT / "build-tool.sh"), sys.executable, str(tmp_path), str(tmp_path / "out.pyz")],

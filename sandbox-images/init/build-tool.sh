@@ -6,7 +6,7 @@
 #   OUT     the .pyz to write
 #
 # The zipapp holds the standard-library-only package `legorl.sandbox` and starts
-# `legorl.sandbox.cli:main`; bin/legorl-sandbox runs it with the interpreter shipped next to it.
+# `legorl.sandbox.cli:run` (main's status as the exit status); bin/legorl-sandbox runs it with the interpreter shipped next to it.
 set -eu
 
 die() {
@@ -33,7 +33,7 @@ find "$stage" -type f \( -name '*.pyc' -o -name '*.pyo' \) -exec rm -f {} +
 rm -rf "$stage/legorl/sandbox/bundled.py" "$stage/legorl/sandbox/tiny-python"
 
 mkdir -p "$(dirname "$out")"
-"$python" -I -m zipapp "$stage" --main 'legorl.sandbox.cli:main' --compress --output "$out"
+"$python" -I -m zipapp "$stage" --main 'legorl.sandbox.cli:run' --compress --output "$out"
 # The tool must start from the archive alone (isolated mode: no PYTHONPATH, no user site).
 "$python" -I "$out" --help >/dev/null || die "$out does not start (legorl-sandbox --help failed)"
 echo "build-tool: wrote $out"

@@ -410,10 +410,10 @@ def installed(
             "run", "--rm", "--network", "none", "-v", f"{tmp}:{into}", image, "install", f"--into={into}"
         )
 
-        def run(*command: str) -> subprocess.CompletedProcess[str]:
+        def run(*command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
             return docker.run(
                 "run", "--rm", "--network", "none", "--read-only", "--tmpfs", "/tmp", "-e", "HOME=/tmp",
-                "--user", "65532:65532", "-v", f"{tmp}:{into}:ro", runner, *command,
+                "--user", "65532:65532", "-v", f"{tmp}:{into}:ro", runner, *command, check=check,
             )  # fmt: skip
 
         yield Path(tmp), run
@@ -457,10 +457,22 @@ def smoke_sandbox_init(docker: Docker, image: str, row: dict[str, Any]) -> list[
             raise BuildError(
                 f"{image}: the installed legorl-sandbox printed no usage:\n{result.stdout[-2000:]}"
             )
+        # A stage that fails must say so in its exit status: an init container's status is the trial's
+        # verdict (5: sandbox_error, 3: defense_failed), never 0.
+        failed = run(
+            "/legorl/bin/legorl-sandbox", "setup", "--workspace=/nonexistent", "--into=/tmp/ws",
+            "--baseline=/tmp/baseline.json", check=False,
+        )  # fmt: skip
+        if failed.returncode != 5:
+            raise BuildError(
+                f"{image}: a setup of a missing workspace exited {failed.returncode}, not 5:\n"
+                f"{(failed.stdout + failed.stderr)[-2000:]}"
+            )
     return [
         smoke_help(docker, image),
         f"`install --into=DIR` copies the tool; DIR/bin/legorl-sandbox --help runs in {runner} "
         "(its own relocatable CPython) as 65532, read-only, with no network",
+        "a setup of a missing workspace exits 5 (sandbox_error), as an init container must",
     ]
 
 

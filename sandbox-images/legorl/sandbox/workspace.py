@@ -53,8 +53,16 @@ def git_env(home: Path | None = None) -> dict[str, str]:
 
 
 def git(args: Sequence[str], cwd: Path, *, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run git with hooks off and no config beyond the repository's own."""
-    cmd = ["git", "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", *args]
+    """Run git with hooks off and no config beyond the repository's own.
+
+    The repository at `cwd` is trusted by name (`safe.directory`, which git honours on its command line): in
+    a pod the workspace is a volume's mount point, owned by root while the stage runs as the agent's uid,
+    and git then treats the repository as absent ("fatal: not in a git directory", seen on a real node),
+    which made the history self-tests fail open. Hooks and fsmonitor stay off whatever the repository says."""
+    cmd = [
+        "git", "-c", f"safe.directory={Path(cwd).absolute()}",
+        "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", *args,
+    ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=cwd, env=git_env(), capture_output=True, text=True, check=False)
     if check and proc.returncode != 0:
         raise SetupError(
