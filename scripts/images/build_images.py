@@ -72,6 +72,11 @@ CA_BUNDLE = "/etc/legorl-build/ca-certificates.crt"
 """Where the Debian base keeps this machine's CA bundle: builds fetch from PyPI, npm and Debian
 through this machine's network, so they trust what it trusts."""
 CA_VARIABLES = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
+TASK_PYTHON = f"{BASE}/python:trixie"
+"""The base of the task images built here (scripts/images/bases/python.Dockerfile on trixie): the harness
+runtimes built here carry Debian trixie's own Python (PYTHON_SOURCE=debian), which needs glibc >= 2.41, and
+a trial's agent runs that runtime inside the task image. (With python-build-standalone, the production
+path, a runtime needs glibc >= 2.17 and runs in bookworm or Ubuntu task images, SWE-bench's included.)"""
 ROOTFS_BASES = (DEBIAN, TRIXIE)
 """The bases imported from a debootstrap rootfs (the others are built from scripts/images/bases/)."""
 
@@ -253,15 +258,17 @@ def make_bases(
     the engine holds them already, then build the other bases from bookworm (their layers cached while
     the Debian base stays the same)."""
     results = [import_rootfs(docker, DEBIAN, rootfs, no_cache)]
+    built: dict[str, list[str]] = {image: [] for image in BASES.values() if image not in ROOTFS_BASES}
     if trixie_rootfs is not None:
         results.append(import_rootfs(docker, TRIXIE, trixie_rootfs, no_cache))
-    for image in BASES.values():
-        if image in ROOTFS_BASES:
-            continue
+        built[TASK_PYTHON] = ["--build-arg", f"DEBIAN_IMAGE={TRIXIE}"]
+    for image, build_args in built.items():
         path = HERE / "bases" / f"{short_name(image)}.Dockerfile"
         start = time.monotonic()
         cache = ["--no-cache"] if no_cache else []
-        docker.run("build", "--network", "host", *cache, "-f", str(path), "-t", image, str(path.parent))
+        docker.run(
+            "build", "--network", "host", *cache, *build_args, "-f", str(path), "-t", image, str(path.parent)
+        )
         results.append(
             Result(image, str(path.relative_to(REPO)), "built", time.monotonic() - start, docker.size(image))
         )
@@ -636,11 +643,16 @@ def _engine_checks(url: str, model: str) -> list[str]:
     plugin's backend, as the trainer runs it (legorl.trainer.fleet_sync), and a completion under it."""
 
     def complete() -> tuple[str, list[str] | None]:
-        body = {"model": model, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0}
+        # With log-probs, as every trial's proxy asks: vLLM's sampler computes their ranks with a function
+        # it torch.compiles at the first such request (the engine died there on a real node).
+        body = {"model": model, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0, "logprobs": 1}
         reply, headers = http_call(f"{url}/v1/completions", body)
         text = reply["choices"][0]["text"]
         if not reply["choices"][0]["finish_reason"] or reply["usage"]["completion_tokens"] < 1:
             raise BuildError(f"/v1/completions answered {reply}")
+        logprobs = (reply["choices"][0].get("logprobs") or {}).get("token_logprobs") or []
+        if len(logprobs) != reply["usage"]["completion_tokens"]:
+            raise BuildError(f"/v1/completions gave no log-prob per token: {reply}")
         return text, weight_versions.decode(headers.get(weight_versions.HEADER, ""))
 
     _, before = complete()
@@ -712,29 +724,39 @@ def torch_wheelhouse() -> Iterator[dict[str, str]]:
 # --- the task images -----------------------------------------------------------------------------
 
 
+TASK_IMAGES = 2
+"""How many of the bundled tiny-python tasks get an image: the first ones of the set, which the real node's
+RLRun (tests/test_node_run.py) draws its trials from."""
+
+
 def build_task_image(docker: Docker, work: Path) -> tuple[Result, Callable[[], list[str]]]:
-    """The first bundled tiny-python task's image, with the task recipe and its builder."""
+    """The first TASK_IMAGES bundled tiny-python tasks' images, with the task recipe and its builder."""
     tasks = work / "tiny-python"
     subprocess.run(
         [sys.executable, "-m", "legorl.sandbox.bundled", str(tasks)], check=True, capture_output=True
     )
-    row = json.loads((tasks / "tasks.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    lines = (tasks / "tasks.jsonl").read_text(encoding="utf-8").splitlines()
+    rows = [json.loads(line) for line in lines[:TASK_IMAGES]]
     dockerfile = REPO / "sandbox-images" / "task" / "Dockerfile"
+    only = [arg for row in rows for arg in ("--only", row["instance_id"])]
     with local_copy(dockerfile) as copy:
         command = [
-            sys.executable, str(TASK_BUILDER), str(tasks / "tasks.jsonl"), "--only", row["instance_id"],
+            sys.executable, str(TASK_BUILDER), str(tasks / "tasks.jsonl"), *only,
             "--docker", docker.cli, "--dockerfile", str(copy),
-            "--build-arg", f"PYTHON_IMAGE={BASES['PYTHON_IMAGE']}", "--network", "host",
+            "--build-arg", f"PYTHON_IMAGE={TASK_PYTHON}", "--network", "host",
         ]  # fmt: skip
         start = time.monotonic()
         proc = subprocess.run(command, env=docker.env, capture_output=True, text=True, check=False)
         seconds = time.monotonic() - start
+    ids = ", ".join(row["instance_id"] for row in rows)
     if proc.returncode != 0:
-        raise BuildError(f"the task image of {row['instance_id']}:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    image = row["image"]
-    result = Result(image, str(dockerfile.relative_to(REPO)), "built", seconds, docker.size(image))
+        raise BuildError(f"the task images of {ids}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    size = sum(docker.size(row["image"]) for row in rows)
+    result = Result(rows[0]["image"], str(dockerfile.relative_to(REPO)), "built", seconds, size)
+    result.variant = f"{len(rows)} tasks: {ids}; PYTHON_IMAGE={TASK_PYTHON}"
 
-    def smoke() -> list[str]:
+    def smoke_one(row: dict[str, Any]) -> str:
+        image = row["image"]
         head = docker.run(
             "run", "--rm", "--network", "none", image, "git", "rev-parse", "HEAD"
         ).stdout.strip()
@@ -754,8 +776,12 @@ def build_task_image(docker: Docker, work: Path) -> tuple[Result, Callable[[], l
         if outcome["unfixed"].returncode != 1 or outcome["fixed"].returncode != 0:
             shown = {k: (v.returncode, v.stdout[-1500:] + v.stderr[-500:]) for k, v in outcome.items()}
             raise BuildError(f"{image}: FAIL_TO_PASS should fail unfixed and pass fixed: {shown}")
+        return head
+
+    def smoke() -> list[str]:
+        heads = [smoke_one(row)[:12] for row in rows]
         return [
-            f"/testbed at the base commit {head[:12]}",
+            f"each /testbed at its base commit ({', '.join(heads)})",
             "as 65532, with the hidden tests applied: FAIL_TO_PASS fails; with the gold patch too, it passes",
         ]
 
