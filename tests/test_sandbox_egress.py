@@ -239,13 +239,15 @@ def test_render_rules_lets_only_the_allowed_uids_out_on_both_families() -> None:
         assert lines.index("-A LEGORL-EGRESS -o lo -j ACCEPT") < lines.index(
             "-A LEGORL-EGRESS -m owner --uid-owner 65533 -j ACCEPT"
         )
-        # Each uid once, in order; no conntrack hole; everything else rejected, TCP with a reset.
+        # Each uid once, in order; no conntrack hole; everything else refused: a socket's TCP with a reset,
+        # TCP with no socket behind it dropped (see test_the_proxy_answers_connections_it_accepts_late).
         owners = [line for line in lines if "--uid-owner" in line]
         assert owners == [f"-A LEGORL-EGRESS -m owner --uid-owner {u} -j ACCEPT" for u in (65533, 1000)]
         assert "conntrack" not in text and "ESTABLISHED" not in text and "state" not in text
         reject = "icmp-port-unreachable" if family == 4 else "icmp6-port-unreachable"
-        assert lines[-3:-1] == [
-            "-A LEGORL-EGRESS -p tcp -j REJECT --reject-with tcp-reset",
+        assert lines[-4:-1] == [
+            "-A LEGORL-EGRESS -p tcp -m owner --socket-exists -j REJECT --reject-with tcp-reset",
+            "-A LEGORL-EGRESS -p tcp -j DROP",
             f"-A LEGORL-EGRESS -j REJECT --reject-with {reject}",
         ]
         # Only the kernel's neighbour discovery is let through on IPv6 besides the owners.
@@ -528,3 +530,61 @@ def test_a_pod_without_ipv6_loopback_is_not_a_failed_lock(
     check = egress._loopback_check(65532, 6, 1.0)
     assert (check.name, check.passed) == ("egress.loopback ipv6", passed), check
     assert ("not exercised" in check.message) is passed
+
+
+# The proxy's side of a connection the operator opens: a listener of the allowed uid that accepts a moment
+# after the client's request arrived (a busy event loop), then answers and closes.
+SLOW_ACCEPT = r"""
+import select, socket, sys, time
+server = socket.create_server(("0.0.0.0", 4000), backlog=16)
+print("ready", flush=True)
+for _ in range(int(sys.argv[1])):
+    select.select([server], [], [])
+    time.sleep(0.3)
+    conn, _ = server.accept()
+    conn.recv(64)
+    conn.sendall(b"pong" * 4096)
+    conn.close()
+"""
+
+CLIENT = r"""
+import errno, json, socket, sys
+results = []
+for _ in range(int(sys.argv[1])):
+    try:
+        with socket.create_connection(("10.213.0.1", 4000), timeout=5) as s:
+            s.sendall(b"ping")
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        results.append("ok" if got == b"pong" * 4096 else f"short {len(got)}")
+    except OSError as exc:
+        results.append(errno.errorcode.get(exc.errno or 0, str(exc)))
+print(json.dumps(results))
+"""
+
+
+@needs_netns
+def test_the_proxy_answers_connections_it_accepts_late(net: Net) -> None:
+    """Before a listener accept()s a connection, the kernel's packets for it (the ACK of the request) carry
+    no owner. The lock rejected them with a reset, and the operator's reads of a trial's proxy failed with
+    ECONNRESET about one time in four on the real node (`GET /trajectory`). They are now dropped instead:
+    the client's retransmission finds the connection accepted."""
+    assert net.lock("--allow-uid=65533").returncode == 0
+    count = 6
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", net.trial, "setpriv", "--reuid=65533", "--regid=65533", "--clear-groups",
+         PY, "-I", "-c", SLOW_ACCEPT, str(count)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        out = sh("ip", "netns", "exec", net.srv, PY, "-I", "-c", CLIENT, str(count)).stdout
+        assert json.loads(out) == ["ok"] * count
+    finally:
+        server.kill()
+        server.wait()
+        if server.stdout is not None:
+            server.stdout.close()
+    # The agent is still refused at once, with a reset.
+    assert_refused_fast(net.probe(AGENT, "tcp", SRV4, 8080))

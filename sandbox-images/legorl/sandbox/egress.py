@@ -121,10 +121,11 @@ def render_rules(allow_uids: Sequence[int], *, family: Literal[4, 6]) -> str:
     and send through it. Leaving conntrack out also keeps it (absent in gVisor) out of the lock's
     dependencies.
 
-    The price: packets the kernel sends for a socket that is already closed (the final ACK from
-    TIME_WAIT after the proxy closes a connection first) carry no owner and are rejected; the peer
-    retransmits its FIN and gives up after a while. The proxy's traffic while it holds its sockets
-    is unaffected.
+    The price: packets the kernel sends for a socket no process holds carry no owner: a connection to
+    the proxy's listener before it is accept()ed (the ACK of the client's request), the final ACK from
+    TIME_WAIT after the proxy closes a connection first. They are dropped (a reset would kill the
+    connection being accepted); the peer retransmits, by when the proxy holds the socket, or gives up
+    on its FIN after a while.
     """
     if family not in (4, 6):
         raise ValueError(f"family must be 4 or 6, got {family!r}")
@@ -150,9 +151,15 @@ def render_rules(allow_uids: Sequence[int], *, family: Literal[4, 6]) -> str:
         ]
     lines += [f"-A {CHAIN} -m owner --uid-owner {uid} -j ACCEPT" for uid in uids]
     lines += [
-        # A reset, not a drop: a blocked connect() fails in milliseconds with ECONNREFUSED instead of
-        # hanging until the harness's timeout, and the self-test's probes finish at once.
-        f"-A {CHAIN} -p tcp -j REJECT --reject-with tcp-reset",
+        # A reset, not a drop, for a socket's own packets: a blocked connect() fails in milliseconds with
+        # ECONNREFUSED instead of hanging until the harness's timeout, and the self-test's probes finish
+        # at once.
+        f"-A {CHAIN} -p tcp -m owner --socket-exists -j REJECT --reject-with tcp-reset",
+        # TCP the kernel sends with no socket file behind it is dropped, not reset: a connection to the
+        # proxy's listener that it has not accept()ed yet (the ACK of the request: a reset killed the
+        # connection, and the operator's reads of the proxy failed with ECONNRESET on a real node), or
+        # the last ACK from TIME_WAIT. Dropping is stricter than a reset; the peer retransmits.
+        f"-A {CHAIN} -p tcp -j DROP",
         f"-A {CHAIN} -j REJECT --reject-with {icmp_reject}",
         "COMMIT",
     ]
