@@ -13,8 +13,10 @@ uses:
 `Downgrade` sits between the operator and that server, on plain HTTP on 127.0.0.1, and forwards
 every request over TLS to the server (the caller's own `Authorization` untouched, so RBAC sees
 the caller). On the way up it rewrites `/apis/policy/v1...` to `/apis/policy/v1beta1...`, a PDB
-body's `policy/v1` to `policy/v1beta1` (without `unhealthyPodEvictionPolicy`) and drops the Job
-spec fields and the init containers' `restartPolicy` 1.20 does not know; on the way down it turns
+body's `policy/v1` to `policy/v1beta1` (without `unhealthyPodEvictionPolicy`), drops the Job
+spec fields 1.20 does not know (giving a one-completion Indexed Job's pod the index annotation and
+hostname 1.21+ gives it) and turns native sidecars into the first regular containers, started before
+the others by a `postStart` hook that waits for their probe's port; on the way down it turns
 `policy/v1beta1` back into `policy/v1` in what those policy paths answer (watch events too, line
 by line) and makes discovery (`/apis`, `/apis/policy`) advertise `policy/v1` as the preferred
 version. Nothing leaves loopback.
@@ -160,28 +162,66 @@ def _request_edit(path: str) -> tuple[str, Edit] | None:
 
         return "pdb-body", pdb
     if JOBS.match(path):
-        return "job-fields", lambda body: _drop_spec_fields(body, NEW_JOB_FIELDS)
+        return "job-fields", _downgrade_job
     if PODS.match(path):
-        return "sidecar", _plain_init_containers
+        return "sidecar", _emulate_sidecars
     return None
 
 
-SIDECAR_ONLY = ("restartPolicy", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle")
-"""What only a native sidecar (an init container with `restartPolicy: Always`) may set."""
+SIDECAR_WAIT = (
+    "for i in $(seq 600); do (: </dev/tcp/127.0.0.1/{port}) 2>/dev/null && exit 0; sleep 0.1; done; "
+    "echo 'port {port} did not open within 60 s' >&2; exit 1"
+)
+"""An emulated sidecar's postStart hook: wait until its startup probe's port accepts (bash's /dev/tcp)."""
 
 
-def _plain_init_containers(pod: Any) -> bool:
-    """Make a pod's native sidecars (Kubernetes 1.28) plain init containers, in place: without their
-    restart policy, probes and hooks, which 1.20 refuses on init containers. Only the test's
-    kubelet runs them there."""
+def _emulate_sidecars(pod: Any) -> bool:
+    """Make a pod's native sidecars (init containers with `restartPolicy: Always`, Kubernetes 1.28) what
+    1.20 can run, in place: the first regular containers, in their order, without the restart policy.
+
+    1.20 refuses the restart policy on an init container, and a plain init container that never exits would
+    hold the pod in Init forever. A regular container runs beside the others as a sidecar does; the order a
+    native sidecar guarantees (its startup probe passed before the containers after it start) comes from a
+    `postStart` hook that waits for the probe's TCP port: the kubelet starts a pod's containers one after
+    the other and starts the next only when the hook has returned (Istio's `holdApplicationUntilProxyStarts`
+    pattern). The hook runs bash in the sidecar's image. Only the test's node runs them."""
     spec = pod.get("spec") if isinstance(pod, dict) else None
-    inits = spec.get("initContainers") if isinstance(spec, dict) else None
-    changed = False
-    for container in inits if isinstance(inits, list) else []:
-        if isinstance(container, dict) and container.get("restartPolicy") == "Always":
-            for key in SIDECAR_ONLY:
-                container.pop(key, None)
-            changed = True
+    if not isinstance(spec, dict) or not isinstance(inits := spec.get("initContainers"), list):
+        return False
+    sidecars = [c for c in inits if isinstance(c, dict) and c.get("restartPolicy") == "Always"]
+    if not sidecars:
+        return False
+    spec["initContainers"] = [c for c in inits if c not in sidecars]
+    for container in sidecars:
+        del container["restartPolicy"]
+        probe = container.get("startupProbe") or {}
+        port = (probe.get("tcpSocket") or probe.get("httpGet") or {}).get("port")
+        if isinstance(port, int):
+            hook = {"exec": {"command": ["bash", "-c", SIDECAR_WAIT.format(port=port)]}}
+            container.setdefault("lifecycle", {})["postStart"] = hook
+    spec["containers"] = [*sidecars, *(spec.get("containers") or [])]
+    return True
+
+
+JOB_INDEX = "batch.kubernetes.io/job-completion-index"
+
+
+def _downgrade_job(job: Any) -> bool:
+    """Drop the Job spec fields 1.20 does not know, in place. An Indexed Job of one completion keeps what
+    1.21+ gives its pod: the completion index annotation (0) and the hostname `<job>-0` (a pod of a Job
+    with more completions cannot be told its index on 1.20)."""
+    spec = job.get("spec") if isinstance(job, dict) else None
+    if not isinstance(spec, dict):
+        return False
+    indexed = spec.get("completionMode") == "Indexed" and spec.get("completions", 1) == 1
+    changed = _drop_spec_fields(job, NEW_JOB_FIELDS)
+    template = spec.get("template")
+    name = (job.get("metadata") or {}).get("name")
+    if indexed and isinstance(template, dict) and name:
+        meta = template.setdefault("metadata", {})
+        meta.setdefault("annotations", {})[JOB_INDEX] = "0"
+        template.setdefault("spec", {}).setdefault("hostname", f"{name}-0")
+        changed = True
     return changed
 
 

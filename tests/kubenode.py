@@ -1001,28 +1001,46 @@ def node(root: Path, **kwargs: Any) -> Iterator[Node]:
 # --- the DNS stand-in's sync loop (test infrastructure, run inside the namespace) -----------------
 
 
-def cluster_hosts(services: dict[str, Any]) -> str:
-    """An addn-hosts file for dnsmasq from a ServiceList: `<clusterIP> <name>.<ns>.svc.<domain>`."""
+def cluster_hosts(services: dict[str, Any], endpoints: dict[str, Any] | None = None) -> str:
+    """An addn-hosts file for dnsmasq from a ServiceList and an EndpointsList, as CoreDNS answers them:
+    `<clusterIP> <name>.<ns>.svc.<domain>` for a Service with a cluster IP; for a headless one, a line per
+    ready address of its Endpoints, and `<ip> <hostname>.<name>.<ns>.svc.<domain>` for an address with a
+    hostname (a pod whose `hostname` and `subdomain` name it, e.g. an Indexed Job's)."""
     rows = []
+    headless = set()
     for svc in services.get("items", []):
-        ip = svc.get("spec", {}).get("clusterIP")
-        if ip and ip != "None":
-            meta = svc["metadata"]
-            rows.append(f"{ip} {meta['name']}.{meta['namespace']}.svc.{CLUSTER_DOMAIN}")
-    return "".join(f"{r}\n" for r in sorted(rows))
+        meta, ip = svc["metadata"], svc.get("spec", {}).get("clusterIP")
+        fqdn = f"{meta['name']}.{meta['namespace']}.svc.{CLUSTER_DOMAIN}"
+        if ip == "None":
+            headless.add((meta["namespace"], meta["name"]))
+        elif ip:
+            rows.append(f"{ip} {fqdn}")
+    for ep in (endpoints or {}).get("items", []):
+        meta = ep["metadata"]
+        if (meta["namespace"], meta["name"]) not in headless:
+            continue
+        fqdn = f"{meta['name']}.{meta['namespace']}.svc.{CLUSTER_DOMAIN}"
+        for subset in ep.get("subsets") or []:
+            for address in subset.get("addresses") or []:
+                rows.append(f"{address['ip']} {fqdn}")
+                if address.get("hostname"):
+                    rows.append(f"{address['ip']} {address['hostname']}.{fqdn}")
+    return "".join(f"{r}\n" for r in sorted(set(rows)))
 
 
 def dns_sync(server: str, ca: Path, token: str, hosts: Path, dnsmasq_pid: int, *, every: float = 1.0) -> None:
-    """List the Services every EVERY seconds; on a change rewrite HOSTS and SIGHUP dnsmasq."""
+    """List the Services and Endpoints every EVERY seconds; on a change rewrite HOSTS and SIGHUP dnsmasq."""
     context = ssl.create_default_context(cafile=str(ca))
-    request = urllib.request.Request(
-        f"{server}/api/v1/services", headers={"Authorization": f"Bearer {token}"}
-    )
+
+    def get(path: str) -> Any:
+        request = urllib.request.Request(f"{server}{path}", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, context=context, timeout=10) as reply:
+            return json.loads(reply.read())
+
     last = None
     while True:
         try:
-            with urllib.request.urlopen(request, context=context, timeout=10) as reply:
-                text = cluster_hosts(json.loads(reply.read()))
+            text = cluster_hosts(get("/api/v1/services"), get("/api/v1/endpoints"))
         except (OSError, ValueError) as exc:
             print(f"dns-sync: {exc}", file=sys.stderr, flush=True)
             text = None

@@ -1,0 +1,412 @@
+"""An RLRun trains on the real node: `helm install`, `kubectl apply`, every pod of the loop run by a kubelet.
+
+tests/kubenode.py starts the contained one-node cluster (tests/test_real_node.py shows what it is) and the
+chart is installed as tests/test_node_operator.py does. Then, as a user would:
+
+- the run store is a PersistentVolumeClaim `legorl-store` (ReadWriteMany) in the run's namespace and one of
+  the same name in the release's, both bound to one folder of this machine (hostPath PersistentVolumes stand
+  in for NFS-like storage); the chart mounts its claim into the operator and the UI (`storeClaims`);
+- the policy, `builtin://tiny-swe` as `legorl sft` makes it, is copied onto a PersistentVolume (`models`)
+  and named `pvc://models/tiny-swe`;
+- the task set is a ConfigMap of the first two bundled tiny-python rows (their task images are built by
+  scripts/build-images.sh);
+- the harness settings the policy was warm-started with (legorl/controller/harness/mini.yaml: short prompts
+  that fit its 2048-token context) are a ConfigMap named by `harness.configMapRef`, as `legorl run` passes
+  them to the harness itself;
+- `kubectl apply` an RLRun: MiniSweAgent, GRPO with 2 tasks × 4 trials per step, 2 steps, Sync.
+
+The kubelet runs the fleet's vLLM pod (legorl's engine image, CPU build), the pool's pre-pull DaemonSet,
+each trial pod (init containers tools, harness-runtime, setup, egress-lock; the proxy; the agent; hold),
+each verify pod and the trainer Job's pod (megatron-core on CPU), which publishes v1 and v2 into the store
+and loads them into the running engine.
+
+What is test infrastructure here (docs/real-node.md): the node is Kubernetes 1.20, so pods reach the API
+through tests/kube120's Downgrade, which also plays the two 1.21+/1.28+ features the operator renders for:
+the trainer's Indexed Job (its pod's index annotation and hostname) and the proxy as a native sidecar (the
+first regular container, the others started after its port opened). dnsmasq stands in for CoreDNS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from legorl.controller.harness import CONFIG_DIR
+from tests.kubenode import Node, kubectl_binary, node, skip_unless_node_can_run
+from tests.test_node_operator import (
+    FULLNAME,
+    RELEASE,
+    RELEASE_NS,
+    Release,
+    chart_for_120,
+    helm_cmd,
+    install_crds_for_120,
+)
+
+ENGINE = "ghcr.io/legorl/engine:0.1.0"
+TRAINER = "ghcr.io/legorl/trainer:0.1.0"
+OPERATOR = "ghcr.io/legorl/operator:0.1.0"
+PROXY = "ghcr.io/legorl/proxy:0.1.0"
+INIT = "ghcr.io/legorl/sandbox-init:0.1.0"
+HARNESS = "ghcr.io/legorl/harness-mini-swe-agent:0.1.0"
+TASKS = 2
+"""The first bundled tasks, whose images scripts/build-images.sh builds (TASK_IMAGES there)."""
+NS = "runs"
+RUN = "tiny-node"
+STEPS, GROUP, TASKS_PER_STEP = 2, 4, 2
+RUN_TIMEOUT = 1500.0
+
+skip_unless_node_can_run([ENGINE, TRAINER, OPERATOR, PROXY, INIT, HARNESS])
+
+pytestmark = pytest.mark.slow
+
+
+def task_rows() -> list[dict[str, Any]]:
+    """The bundled tiny-python rows the run trains on (the set is generated as `legorl run` does)."""
+    from legorl.sandbox.bundled import builtin_task_set  # noqa: PLC0415 - the manifest, generated once
+
+    lines = builtin_task_set().read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines[:TASKS]]
+
+
+def policy_checkpoint() -> Path:
+    """builtin://tiny-swe, made by `legorl sft` on first use (cached)."""
+    from legorl.trainer.sft import ensure_tiny_swe  # noqa: PLC0415 - torch: only when this module runs
+
+    return ensure_tiny_swe()
+
+
+RLRUN: dict[str, Any] = {
+    "apiVersion": "legorl.dev/v1alpha1",
+    "kind": "RLRun",
+    "metadata": {"name": RUN, "namespace": NS},
+    "spec": {
+        "policy": {"checkpoint": {"uri": "pvc://models/tiny-swe"}},
+        "fleet": {
+            "replicas": 1,
+            "parallelism": {"gpusPerNode": 0},
+            "settings": {
+                "dtype": "float32",
+                "routedExpertsCapture": "Disabled",
+                "toolCallParser": "hermes",
+                "maxModelLen": 2048,
+            },
+        },
+        "pool": {
+            "source": {"taskSet": {"uri": "configmap://tiny-python/tasks.jsonl"}},
+            # The node's pause image: the default is pulled from registry.k8s.io, which no pod here reaches.
+            "prePull": {"pauseImage": "k8s.gcr.io/pause:3.2"},
+            "deadlines": {"agentSeconds": 300, "verifySeconds": 180},
+        },
+        # The prompts the tiny policy was warm-started on (legorl run gives them to the harness itself).
+        "harness": {"kind": "MiniSweAgent", "maxTurns": 4, "configMapRef": {"name": "tiny-harness"}},
+        "tasks": {
+            "source": {"uri": "configmap://tiny-python/tasks.jsonl"},
+            "split": {"heldOutPercent": 0},
+            "seed": 7,
+            "epochs": 4,
+        },
+        "algorithm": {
+            "name": "GRPO",
+            "groupSize": GROUP,
+            "tasksPerStep": TASKS_PER_STEP,
+            "learningRate": "5e-4",
+            "sampling": {"maxTokensPerTurn": 128},
+        },
+        "schedule": {"mode": "Sync", "maxConcurrentTrials": 4},
+        "trainer": {"parallelism": {"gpusPerNode": 0}, "dtype": "float32"},
+        "store": {"uri": "pvc://legorl-store"},
+        "stop": {"maxSteps": STEPS},
+        "evaluation": {"atStart": "Disabled", "intervalSteps": STEPS},
+    },
+}
+
+
+def host_volume(name: str, path: Path, mode: str, namespace: str, claim: str) -> list[dict[str, Any]]:
+    """A hostPath PersistentVolume pre-bound to the claim NAMESPACE/CLAIM, and that claim."""
+    volume = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": [mode],
+            "storageClassName": "",
+            "persistentVolumeReclaimPolicy": "Retain",
+            "hostPath": {"path": str(path), "type": "Directory"},
+            "claimRef": {"namespace": namespace, "name": claim},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": claim, "namespace": namespace},
+        "spec": {
+            "accessModes": [mode],
+            "storageClassName": "",
+            "volumeName": name,
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    return [volume, pvc]
+
+
+@dataclass
+class TrainedRun:
+    """The node after the run ended, and what was seen on the way."""
+
+    node: Node
+    store: Path
+    """The run's folder in the store, on this machine (the PersistentVolume's folder)."""
+    watches: dict[str, Path]
+    """`kubectl get rlruns -n runs -w` and `... pods ...` as they printed while the run went."""
+    timings: dict[str, float] = field(default_factory=dict)
+    applied_at: float = 0.0
+    """When the RLRun was applied (seconds since the epoch)."""
+
+    def get(self, *args: str) -> Any:
+        return self.node.get_json(*args)
+
+    def run(self) -> dict[str, Any]:
+        body: dict[str, Any] = self.get("rlrun", RUN, "-n", NS)
+        return body
+
+    def condition(self, type_: str) -> dict[str, Any] | None:
+        conditions = (self.run().get("status") or {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == type_), None)
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.get("events", "-n", NS)["items"]
+        return [e for e in items if kind is None or e["involvedObject"]["kind"] == kind]
+
+    def records(self) -> list[dict[str, Any]]:
+        return [
+            row
+            for path in sorted(self.store.glob("trials/*/*/*.parquet"))
+            for row in pq.read_table(path).to_pylist()
+        ]
+
+    def diagnose(self) -> str:
+        k = self.node.kubectl
+        parts = [
+            k(
+                "get", "rlruns,rolloutfleets,sandboxpools,pods,jobs", "-n", NS, "-o", "wide", check=False
+            ).stdout,
+            json.dumps((self.run().get("status") or {}).get("conditions"), indent=1),
+            k("logs", "-n", RELEASE_NS, f"deployment/{FULLNAME}-operator", "--tail=60", check=False).stdout,
+            k("logs", "-n", NS, f"job/{RUN}-trainer", "--tail=40", check=False).stdout,
+            k("logs", "-n", NS, f"deployment/{RUN}-fleet-engine", "--tail=20", check=False).stdout,
+            "\n".join(f"{e['reason']}: {e['message']}" for e in self.events()[-40:]),
+        ]
+        return "\n---\n".join(parts)
+
+    def wait(self, predicate: Callable[[], Any], what: str, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(2)
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.diagnose()}")
+
+
+def ended(trained: TrainedRun) -> dict[str, Any] | None:
+    for type_ in ("Succeeded", "Failed"):
+        cond = trained.condition(type_)
+        if cond and cond["status"] == "True":
+            return cond
+    return None
+
+
+@contextlib.contextmanager
+def run_on_node(root: Path, helm: str) -> Iterator[TrainedRun]:
+    """The node started in ROOT, the chart installed, the run's volumes, ConfigMaps and RLRun applied; yields
+    once the run has ended (Succeeded or Failed), then stops the node. Also used by benchmarks/node_run.py."""
+    store = root / "store"
+    store.mkdir()
+    os.chown(store, 65532, 65532)  # the operator's and the trainer's uid write it (fsGroup does not apply)
+    models = root / "models"
+    shutil.copytree(policy_checkpoint(), models / "tiny-swe")
+    for path in (models, *models.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    rows = task_rows()
+    with node(root / "node", api_downgrade=True) as cluster:
+        started = time.monotonic()
+        install_crds_for_120(cluster)
+        for ns in (RELEASE_NS, NS):
+            cluster.create_namespace(ns)
+        objects = [
+            *host_volume("store-system", store, "ReadWriteMany", RELEASE_NS, "legorl-store"),
+            *host_volume("store-runs", store, "ReadWriteMany", NS, "legorl-store"),
+            *host_volume("models-runs", models, "ReadOnlyMany", NS, "models"),
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "tiny-python", "namespace": NS},
+                "data": {"tasks.jsonl": "".join(json.dumps(r) + "\n" for r in rows)},
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "tiny-harness", "namespace": NS},
+                "data": {"mini.yaml": (CONFIG_DIR / "mini.yaml").read_text(encoding="utf-8")},
+            },
+        ]
+        cluster.kubectl(
+            "apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
+        )
+        chart = root / "chart"
+        chart.mkdir()
+        helm_cmd(
+            cluster, helm, "install", RELEASE, str(chart_for_120(chart)), "--namespace", RELEASE_NS,
+            "--skip-crds", "--set", "ui.enabled=true", "--set", "storeClaims={legorl-store}",
+        )  # fmt: skip
+        # `kubectl apply` once the operator runs: what follows measures the run, not the operator's start.
+        release = Release(cluster)
+        release.wait(lambda: release.ready_pod("operator"), "the operator pod Ready")
+        # `kubectl get rlruns,pods -w`, as two watches: this kubectl watches one resource type at a time.
+        watches = {kind: root / f"watch-{kind}.txt" for kind in ("rlruns", "pods")}
+        with contextlib.ExitStack() as stack:
+            for kind, path in watches.items():
+                out = stack.enter_context(path.open("w"))
+                argv = [kubectl_binary(), f"--kubeconfig={cluster.kubeconfig()}", "get", kind, "-n", NS, "-w"]
+                watcher = subprocess.Popen(cluster.inside(*argv), stdout=out, stderr=subprocess.STDOUT)
+                stack.callback(watcher.wait, timeout=10)
+                stack.callback(watcher.terminate)
+            trained = TrainedRun(cluster, store / NS / RUN, watches)
+            trained.timings["node_to_applied"] = time.monotonic() - started
+            start = time.monotonic()
+            trained.applied_at = time.time()
+            cluster.kubectl("apply", "-f", "-", stdin=json.dumps(RLRUN))
+            trained.wait(lambda: ended(trained), "the run to end", RUN_TIMEOUT)
+            trained.timings["apply_to_end"] = time.monotonic() - start
+            yield trained
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, helm: str) -> Iterator[TrainedRun]:
+    with run_on_node(tmp_path_factory.mktemp("node-run"), helm) as run:
+        yield run
+
+
+def test_the_run_succeeds_after_two_grpo_steps_of_eight_trials(trained: TrainedRun) -> None:
+    print(f"kubectl apply -> run ended: {trained.timings['apply_to_end']:.0f} s")
+    succeeded = trained.condition("Succeeded")
+    assert succeeded and succeeded["status"] == "True", trained.diagnose()
+    status = trained.run()["status"]
+    assert status["step"] == STEPS and status["policyVersion"] == f"v{STEPS}", status
+    records = trained.records()
+    by_step = Counter(r["step"] for r in records if r["split"] == "train")
+    assert by_step == {step: GROUP * TASKS_PER_STEP for step in range(1, STEPS + 1)}, by_step
+    reasons = Counter(r["termination_reason"] for r in records)
+    print(f"trials by termination reason: {dict(reasons)}")
+    # Each trial ran in a real pod: the proxy journalled the agent's model calls, the verify pod graded it.
+    completed = [r for r in records if r["termination_reason"] == "completed"]
+    assert completed, reasons
+    assert all(r["num_turns"] > 0 and r["segments"] for r in completed)
+    assert all(r["reward"] is not None for r in completed)
+
+
+def _started(events: list[dict[str, Any]], pod_suffix: str = "") -> dict[str, set[str]]:
+    """Pod name → the containers the kubelet reported Started (its Events), for pods whose name ends so."""
+    started: dict[str, set[str]] = {}
+    for e in events:
+        obj = e["involvedObject"]
+        if obj["kind"] == "Pod" and e["reason"] == "Started" and obj["name"].endswith(pod_suffix):
+            container = e["message"].removeprefix("Started container ")
+            started.setdefault(obj["name"], set()).add(container)
+    return started
+
+
+def test_every_trial_and_verify_pod_ran_its_stages_on_the_kubelet(trained: TrainedRun) -> None:
+    events = trained.events()
+    trials = {
+        name: containers
+        for name, containers in _started(events).items()
+        if name.startswith(f"{RUN}-s") and not name.endswith("-verify")
+    }
+    verifies = _started(events, "-verify")
+    records = trained.records()
+    assert len(trials) == len(records), sorted(trials)
+    for name, containers in trials.items():
+        # The setup stages, the egress lock, the proxy beside the agent, and `hold` keeping the proxy.
+        assert {"tools", "harness-runtime", "setup", "egress-lock", "proxy", "agent", "hold"} <= containers, (
+            name,
+            containers,
+        )
+    graded = [r for r in records if r["reward"] is not None]
+    # Each graded trial had its verify pod: the task image, pristine, running the hidden tests.
+    assert len(verifies) >= len(graded) > 0, (sorted(verifies), len(graded))
+    assert all("verify" in containers for containers in verifies.values()), verifies
+
+    # No trial pod, verify pod or trial ConfigMap is left once the run is over (the last ones are being
+    # deleted as it ends).
+    def left() -> list[str]:
+        items = trained.get("pods,configmaps", "-n", NS)["items"]
+        return [i["metadata"]["name"] for i in items if i["metadata"]["name"].startswith(f"{RUN}-s")]
+
+    trained.wait(lambda: not left(), "the trials' objects to be deleted", 120)
+
+
+def test_the_trainer_published_each_version_and_the_fleet_pod_took_them_without_a_restart(
+    trained: TrainedRun,
+) -> None:
+    from legorl.api.store import RunStore  # noqa: PLC0415
+
+    store = RunStore(str(trained.store))
+    assert store.published_versions() == [f"v{step}" for step in range(1, STEPS + 1)]
+    figures = {f.step: f for f in store.step_figures()}
+    assert sorted(figures) == list(range(1, STEPS + 1))
+    syncs = {step: f.sync_seconds for step, f in figures.items()}
+    print(f"weight sync seconds by step: {syncs}")
+    assert all(s is not None and s > 0 for s in syncs.values()), syncs
+    # Trials of step 2 were served by v1 (Sync mode: the engine swapped in place between the steps).
+    seen = {r["step"]: set(r["policy_versions"]) for r in trained.records() if r["num_turns"]}
+    assert seen.get(STEPS) == {f"v{STEPS - 1}"}, seen
+    # One engine pod for the whole run, never restarted: its kubelet Events show one start of vllm.
+    engine = {n: c for n, c in _started(trained.events()).items() if n.startswith(f"{RUN}-fleet-engine-")}
+    starts = [
+        e for e in trained.events() if e["involvedObject"]["name"] in engine and e["reason"] == "Started"
+    ]
+    assert len(engine) == 1 and [e.get("count", 1) for e in starts] == [1], starts
+    job = trained.get("job", f"{RUN}-trainer", "-n", NS)
+    assert job["status"].get("succeeded") == 1 or job["status"].get("active") in (None, 0), job["status"]
+    assert (
+        "megatron" in trained.node.kubectl("logs", "-n", NS, f"job/{RUN}-trainer", check=False).stdout.lower()
+    )
+
+
+def test_kubectl_and_the_ui_show_the_run(trained: TrainedRun) -> None:
+    table = trained.node.kubectl("get", "rlruns", "-n", NS, "-o", "wide").stdout.splitlines()
+    header, row = table[0].split(), table[1].split()
+    shown = dict(zip(header, row, strict=False))
+    assert shown["NAME"] == RUN and shown["STEP"] == str(STEPS) and shown["POLICY"] == f"v{STEPS}", table
+    print("\n".join(table))
+    # The UI's own API, read through the API server's service proxy, from the cluster and the store.
+    path = f"/api/v1/namespaces/{RELEASE_NS}/services/{FULLNAME}-ui:80/proxy/api/runs"
+    runs = json.loads(trained.node.kubectl("get", "--raw", path).stdout)
+    names = [r.get("name") for r in runs["runs"]]
+    assert RUN in names, runs
+    events = {(e["reason"]) for e in trained.events("RLRun")}
+    assert {"Valid", "FleetReady", "Stepping"} <= events, events
+
+
+def test_the_watch_transcript_shows_the_run_and_its_pods(trained: TrainedRun) -> None:
+    runs, pods = (trained.watches[kind].read_text() for kind in ("rlruns", "pods"))
+    print(runs)
+    assert runs.splitlines()[0].split()[:5] == ["NAME", "PHASE", "STEP", "POLICY", "REWARD"], runs
+    assert "Succeeded" in runs.splitlines()[-1], runs
+    for pod in (f"{RUN}-trainer-", f"{RUN}-fleet-engine-", f"{RUN}-s1-t0-r0 ", f"{RUN}-s1-t0-r0-verify"):
+        assert pod in pods, pod
