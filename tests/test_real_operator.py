@@ -18,7 +18,10 @@ Least privilege is measured from the API server's audit log: after the lifecycle
 the chart grants must have been used by some request of the operator
 (`test_the_chart_grants_exactly_what_the_lifecycles_use`, but for `NOT_EXERCISED`), and none of the
 operator's requests may have been refused, but while a restarted server had not yet loaded its roles
-(`UNSYNCED`).
+(`UNSYNCED`). The same holds for the rest of what the chart runs, each under its own ServiceAccount on
+this server: the UI (`ui.enabled`, with an action token; `UI_NOT_EXERCISED`) and kopf's peering
+(`operator.peering.enabled`, cluster-wide and namespaced; `PEERING_NOT_EXERCISED`). docs/operator.md's
+`rbac-*` tables are these measurements.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -229,9 +233,13 @@ def _affinity_node(spec: dict[str, Any]) -> str | None:
 # --- the chart, the ServiceAccount's token and the operator process --------------------------------------
 
 
-def render_chart(helm: str) -> list[dict[str, Any]]:
+def render_chart(
+    helm: str, *values: str, release: str = RELEASE, namespace: str = RELEASE_NS
+) -> list[dict[str, Any]]:
+    """`helm template` of the chart: default values, but VALUES (`--set` assignments)."""
+    sets = [arg for value in values for arg in ("--set", value)]
     out = subprocess.run(
-        [helm, "template", RELEASE, str(REPO / "charts/legorl"), "--namespace", RELEASE_NS],
+        [helm, "template", release, str(REPO / "charts/legorl"), "--namespace", namespace, *sets],
         capture_output=True, text=True, check=True, timeout=120,
     ).stdout  # fmt: skip
     return [d for d in kubeyaml.load_all(out) if d]
@@ -245,20 +253,22 @@ def cluster_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-operator"))
 
 
-def service_account_token(plane: ControlPlane, name: str) -> str:
+def service_account_token(plane: ControlPlane, name: str, namespace: str = RELEASE_NS) -> str:
     """A bound token for the ServiceAccount, from the real TokenRequest API."""
-    result = plane.kubectl("create", "token", name, "-n", RELEASE_NS, "--duration=2h")
+    result = plane.kubectl("create", "token", name, "-n", namespace, "--duration=2h")
     return result.stdout.strip()
 
 
 @dataclass
 class Operator:
-    """`legorl operator` as the chart's Deployment runs it, with the ServiceAccount's credentials."""
+    """`legorl operator` (or `legorl ui`) as the chart's Deployment runs it, with the ServiceAccount's
+    credentials."""
 
     argv: list[str]
     env: dict[str, str]
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    name: str = "the operator"
 
     def start(self) -> Operator:
         with self.log.open("ab") as out:
@@ -283,35 +293,49 @@ class Operator:
 
     def check(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise AssertionError(f"the operator exited with {self.proc.returncode}:\n{self.tail()}")
+            raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def operator_command(docs: list[dict[str, Any]], kubeconfig: Path, log: Path) -> Operator:
-    """The chart's operator container as a process: its args (ports made free) and its env."""
+def _container_env(deploy: dict[str, Any], pod: str, secrets: dict[str, str]) -> dict[str, str]:
+    """The container's environment as the kubelet would set it for pod POD (SECRETS: each secretKeyRef's
+    `name/key` → its value), over this process's own, less its Kubernetes and legorl settings."""
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "LEGORL_"))}
+    fields = {"metadata.namespace": deploy["metadata"]["namespace"], "metadata.name": pod}
+    for var in container.get("env") or []:
+        source = var.get("valueFrom", {})
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif "fieldRef" in source:
+            env[var["name"]] = fields[source["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in source:
+            env[var["name"]] = secrets[f"{source['secretKeyRef']['name']}/{source['secretKeyRef']['key']}"]
+    return env
+
+
+def operator_command(docs: list[dict[str, Any]], kubeconfig: Path, log: Path, pod: str = "") -> Operator:
+    """The chart's operator container as a process, as pod POD (kopf's identity, `POD_ID`): its args
+    (ports made free) and its env."""
     deploy = next(d for d in docs if d["kind"] == "Deployment" and _component(d) == "operator")
     (container,) = deploy["spec"]["template"]["spec"]["containers"]
     args = []
     for arg in container["args"]:
         flag = arg.split("=", 1)[0]
         args.append(f"{flag}={free_port()}" if flag in ("--health-port", "--metrics-port") else arg)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "LEGORL_"))}
-    for var in container.get("env") or []:
-        if "value" in var:
-            env[var["name"]] = var["value"]
-        elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
-            env[var["name"]] = RELEASE_NS
+    env = _container_env(deploy, pod or f"{deploy['metadata']['name']}-0", {})
     env["KUBECONFIG"] = str(kubeconfig)
     legorl = str(Path(sys.executable).with_name("legorl"))
     return Operator([legorl, *args, f"--resync-seconds={RESYNC}"], env, log)
 
 
-def sa_kubeconfig(path: Path, server: str, token: str) -> Path:
+def sa_kubeconfig(path: Path, server: str, token: str, ca: Path | None = None) -> Path:
+    authority = f"    certificate-authority: {ca}\n" if ca else ""
     path.write_text(
         "apiVersion: v1\nkind: Config\n"
-        f"clusters:\n- name: real\n  cluster:\n    server: {server}\n"
+        f"clusters:\n- name: real\n  cluster:\n    server: {server}\n{authority}"
         f"users:\n- name: operator\n  user:\n    token: {token}\n"
         "contexts:\n- name: real\n  context:\n    cluster: real\n    user: operator\n"
         "current-context: real\n"
@@ -847,6 +871,38 @@ def granted(docs: list[dict[str, Any]]) -> set[Permission]:
     return out
 
 
+RBAC_DOC = REPO / "docs/operator.md"
+
+
+def rbac_table(name: str) -> dict[tuple[str, str], tuple[set[str], set[str]]]:
+    """docs/operator.md's RBAC table NAME: (API group, resource) → (verbs used, verbs granted and not
+    used). Verbs are the backquoted words of a cell (of a "not used" cell, those before its `:`)."""
+    text = RBAC_DOC.read_text()
+    body = text.split(f"<!-- rbac-{name}:start -->", 1)[1].split(f"<!-- rbac-{name}:end -->", 1)[0]
+    lines = [line.strip() for line in body.splitlines() if line.strip().startswith("|")]
+    rows: dict[tuple[str, str], tuple[set[str], set[str]]] = {}
+    for line in lines[2:]:
+        group, resource, used_, unused, *_ = (c.strip() for c in line.strip("|").split("|"))
+        key = ("" if group == "core" else group.strip("`"), resource.strip("`"))
+        rows[key] = (set(re.findall(r"`(\w+)`", used_)), set(re.findall(r"`(\w+)`", unused.split(":")[0])))
+    return rows
+
+
+def check_rbac_table(name: str, grants: set[Permission], needed: set[Permission]) -> None:
+    """docs/operator.md's table NAME is what was measured: every grant, used or not."""
+    measured: dict[tuple[str, str], tuple[set[str], set[str]]] = {}
+    for group, resource, verb in sorted(grants):
+        used_, unused = measured.setdefault((group, resource), (set(), set()))
+        (used_ if (group, resource, verb) in needed else unused).add(verb)
+    if rbac_table(name) != measured:
+        lines = "\n".join(
+            f"| {g or 'core'} | {r} | {', '.join(f'`{v}`' for v in sorted(u))} | "
+            f"{', '.join(f'`{v}`' for v in sorted(n))} |"
+            for (g, r), (u, n) in measured.items()
+        )
+        pytest.fail(f"docs/operator.md's rbac-{name} table is stale; measured:\n{lines}")
+
+
 def used(events: list[dict[str, Any]], user: str) -> tuple[set[Permission], list[str]]:
     """What USER's requests needed, from the audit log, and the requests the server refused (403).
 
@@ -884,6 +940,7 @@ def test_the_chart_grants_exactly_what_the_lifecycles_use(env: Env) -> None:
     grants = granted(env.docs)
     assert needed <= grants, sorted(needed - grants)
     assert grants - needed == NOT_EXERCISED, f"granted, never used: {sorted(grants - needed)}"
+    check_rbac_table("operator", grants, needed)
 
 
 AS_OPERATOR = "legorl-tests/as-operator"
@@ -980,3 +1037,245 @@ def test_a_blocking_owner_reference_needs_the_owners_finalizers(env: Env) -> Non
         with _without(env, client, "rolloutfleets/finalizers", "update"):
             assert _apply_as(client, cm) == 403
         assert _apply_as(client, cm) == 201
+
+
+# --- the UI and kopf peering, measured the same way -----------------------------------------------------
+
+
+def _until(predicate: Callable[[], Any], what: str, procs: list[Operator], timeout: float = TIMEOUT) -> Any:
+    """PREDICATE's first true value, while every process of PROCS keeps running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in procs:
+            proc.check()
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    tails = "\n".join(f"--- {p.log.name}\n{p.tail(15)}" for p in procs)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{tails}")
+
+
+def _apply_chart(env: Env, docs: list[dict[str, Any]]) -> None:
+    """The rendered chart but its Deployments (their containers run as processes here)."""
+    chart = [d for d in docs if d["kind"] != "Deployment"]
+    env.plane.kubectl("apply", "--server-side", "-f", "-", stdin="---\n".join(map(to_yaml, chart)))
+
+
+def _user(docs: list[dict[str, Any]], component: str) -> str:
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount" and _component(d) == component)
+    return f"system:serviceaccount:{sa['metadata']['namespace']}:{sa['metadata']['name']}"
+
+
+UI_VALUES = ("ui.enabled=true", "ui.actionTokenSecret=legorl-ui-action")
+"""The UI with its actions (pause, resume, validate): the read-only UI's role is this one less `patch`."""
+UI_ACTION_TOKEN = "the-ui-action-token"
+"""The token in the Secret `ui.actionTokenSecret` names (the UI's env, as its kubelet would set it)."""
+
+UI_NOT_EXERCISED: set[Permission] = {
+    # The UI reads on each request (it never watches), lists only RLRuns, pods and (core) Events, and
+    # gets only RLRuns, RolloutFleets and SandboxPools (legorl/ui/kube.py): no code path needs these,
+    # so the chart can drop them (docs/operator.md's rbac-ui table).
+    *(("legorl.dev", r, "watch") for r in ("rlruns", "rolloutfleets", "sandboxpools")),
+    ("legorl.dev", "rolloutfleets", "list"),
+    ("legorl.dev", "sandboxpools", "list"),
+    ("", "pods", "get"),
+    ("", "pods", "watch"),
+    ("", "events", "get"),
+    ("", "events", "watch"),
+    *(("events.k8s.io", "events", v) for v in ("get", "list", "watch")),
+}
+"""Grants of the UI's role that no request of the UI needs (the test fails if this set is stale)."""
+
+
+def ui_command(docs: list[dict[str, Any]], kubeconfig: Path, log: Path) -> tuple[Operator, str]:
+    """The chart's UI container as a process on a free loopback port, and its URL."""
+    deploy = next(d for d in docs if d["kind"] == "Deployment" and _component(d) == "ui")
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    port = free_port()
+    given = {"--host": "--host=127.0.0.1", "--port": f"--port={port}"}
+    args = [given.get(arg.split("=", 1)[0], arg) for arg in container["args"]]
+    secret = f"{UI_VALUES[1].split('=', 1)[1]}/token"
+    env = _container_env(deploy, f"{deploy['metadata']['name']}-0", {secret: UI_ACTION_TOKEN})
+    env["KUBECONFIG"] = str(kubeconfig)
+    legorl = str(Path(sys.executable).with_name("legorl"))
+    return Operator([legorl, *args], env, log, name="the UI"), f"http://127.0.0.1:{port}"
+
+
+def test_the_ui_uses_what_the_chart_grants_it_and_nothing_is_refused(
+    env: Env, helm: str, tmp_path: Path
+) -> None:
+    """The UI (`ui.enabled`, with an action token) under its own ServiceAccount and role: every
+    endpoint that reads the cluster and every action, then the audit log as for the operator."""
+    docs = [d for d in render_chart(helm, *UI_VALUES) if _component(d) == "ui"]
+    _apply_chart(env, docs)
+    user = _user(docs, "ui")
+    ns = "ui"
+    env.plane.kubectl("create", "namespace", ns)
+    tasks, run = _run_objects(ns, tmp_path / "store")
+    run["spec"]["suspend"] = True  # what the UI shows needs no trials
+    env.apply(tasks)
+    env.apply(run)
+    path = _path("legorl.dev/v1alpha1", "rlruns", ns, "coder-grpo")
+    fleet = _path("legorl.dev/v1alpha1", "rolloutfleets", ns, "coder-grpo-fleet")
+    env.wait_condition(path, "Validated", "True")
+    env.wait(lambda: (env.admin.get(fleet) or {}).get("status", {}).get("selector"), "the fleet's selector")
+    pool = _path("legorl.dev/v1alpha1", "sandboxpools", ns, "coder-grpo-pool")
+    env.wait(functools.partial(env.admin.get, pool), "the run's pool")
+    env.wait(lambda: env.admin.items(_path("v1", "events", ns)), "the run's Events")
+    token = service_account_token(env.plane, user.rsplit(":", 1)[1])
+    kubeconfig = sa_kubeconfig(tmp_path / "ui.kubeconfig", env.plane.url, token, ca=env.plane.ca)
+    ui, url = ui_command(docs, kubeconfig, tmp_path / "ui.log")
+    ui.start()
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+
+            def healthy() -> bool:
+                try:
+                    return client.get("/healthz").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            _until(healthy, "the UI serving", [ui, env.operator])
+            run_id = f"{ns}~coder-grpo"
+            runs = client.get("/api/runs")
+            assert runs.status_code == 200 and not runs.json()["cluster_note"], runs.text
+            assert run_id in {r["id"] for r in runs.json()["runs"]}
+            base = f"/api/runs/{run_id}"
+            codes = {}
+            for sub in ("", "/curves", "/outcomes", "/tasks", "/trials", "/trials/t-0", "/fleet",
+                        "/sandboxes", "/diagnostics"):  # fmt: skip
+                codes[sub] = client.get(base + sub).status_code
+            codes["compare"] = client.get("/api/compare", params={"runs": f"{run_id},{ns}~gone"}).status_code
+            for sub in ("", "/fleet", "/sandboxes", "/diagnostics"):
+                assert codes[sub] == 200, (sub, codes)
+            assert all(code < 500 for code in codes.values()), codes
+            assert client.get(base + "/fleet").json()["available"] is True
+            bearer = {"Authorization": f"Bearer {UI_ACTION_TOKEN}"}
+            for action in ("validate", "resume", "pause"):
+                reply = client.post(f"{base}/actions/{action}", headers=bearer)
+                assert reply.status_code == 200, (action, reply.text)
+        assert (env.admin.get(path) or {})["spec"]["suspend"] is True
+    finally:
+        ui.stop()
+    needed, refused = used(env.plane.audit_events(), user)
+    assert not refused, refused
+    grants = granted(docs)
+    assert needed <= grants, sorted(needed - grants)
+    assert grants - needed == UI_NOT_EXERCISED, f"granted, never used: {sorted(grants - needed)}"
+    check_rbac_table("ui", grants, needed)
+    env.plane.kubectl("delete", "rlrun", "coder-grpo", "-n", ns, "--wait=true", "--timeout=90s")
+
+
+PEERINGS = {
+    # release: (its namespace, chart values, replicas run here, the peering resource kopf uses)
+    "peer": (
+        "legorl-peer",
+        ("operator.peering.enabled=true", "operator.replicas=2"),
+        2,
+        "/apis/kopf.dev/v1/clusterkopfpeerings/peer-legorl",
+    ),
+    "peerns": (
+        "legorl-peerns",
+        ("operator.peering.enabled=true", "watchNamespaces={peer-a}"),
+        1,
+        "/apis/kopf.dev/v1/namespaces/peer-a/kopfpeerings/peerns-legorl",
+    ),
+}
+"""Two releases beside the module's, with peering: cluster-wide (a ClusterKopfPeering; two replicas, as
+the chart's Deployment runs) and limited to a namespace (a KopfPeering there; one replica, which then
+serves that namespace under the namespaced RBAC)."""
+
+PEERING_NOT_EXERCISED: dict[str, set[Permission]] = {
+    # kopf never reads a peering object directly (it lists and watches it, and merge-patches its
+    # status), and a cluster-wide operator uses the ClusterKopfPeering only, never a KopfPeering.
+    "peer": {
+        ("kopf.dev", "clusterkopfpeerings", "get"),
+        *(("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")),
+    },
+    "peerns": {("kopf.dev", "kopfpeerings", "get")},
+}
+"""kopf.dev grants no request of kopf's peering needs, by release (the test fails if stale)."""
+
+PEERING_LOGS: dict[str, str] = {}
+"""The cluster-wide replicas' logs, by pod name, for test_two_peering_replicas_leave_one_active."""
+
+
+def test_kopf_peering_uses_what_the_chart_grants_it_and_nothing_is_refused(
+    env: Env, helm: str, tmp_path: Path
+) -> None:
+    """kopf's peering (`operator.peering.enabled`) as the chart sets it up, on this 1.20 server (the
+    fixture applied kopf's peering CRDs from the chart's crds/): each replica announces itself in the
+    peering object and watches it. The module's operator is stopped meanwhile (two cluster-wide
+    operators would both reconcile)."""
+    env.plane.kubectl("create", "namespace", "peer-a", check=False)
+    replicas: dict[str, list[Operator]] = {}
+    renders: dict[str, list[dict[str, Any]]] = {}
+    for release, (namespace, values, count, _) in PEERINGS.items():
+        env.plane.kubectl("create", "namespace", namespace, check=False)
+        docs = renders[release] = render_chart(helm, *values, release=release, namespace=namespace)
+        _apply_chart(env, docs)
+        token = service_account_token(env.plane, _user(docs, "operator").rsplit(":", 1)[1], namespace)
+        kubeconfig = sa_kubeconfig(tmp_path / f"{release}.kubeconfig", env.proxy.url, token)
+        replicas[release] = [
+            operator_command(docs, kubeconfig, tmp_path / f"{release}-{i}.log", pod=f"{release}-operator-{i}")
+            for i in range(count)
+        ]
+    procs = [proc for group in replicas.values() for proc in group]
+
+    def announced(release: str) -> bool:
+        peers = (env.admin.get(PEERINGS[release][3]) or {}).get("status") or {}
+        return {p.env["POD_ID"] for p in replicas[release]} <= set(peers)
+
+    def watching(release: str) -> bool:
+        user = _user(renders[release], "operator")
+        verbs = {
+            e["verb"]
+            for e in env.plane.audit_events()
+            if e["user"]["username"] == user and (e.get("objectRef") or {}).get("apiGroup") == "kopf.dev"
+        }
+        return {"list", "watch", "patch"} <= verbs
+
+    env.operator.stop()
+    try:
+        for proc in procs:
+            proc.start()
+        for release in PEERINGS:
+            _until(functools.partial(announced, release), f"{release}'s replicas in their peering", procs)
+            _until(functools.partial(watching, release), f"{release}'s replicas watching it", procs)
+
+        def saw_each_other() -> bool:  # a replica pauses for its peer, or warns of it
+            return any(("Pausing" in p.log.read_text() or "conflicting" in p.log.read_text()) for p in procs)
+
+        with contextlib.suppress(AssertionError):  # what two replicas do is the next test's
+            _until(saw_each_other, "a replica to react to its peer", procs, timeout=20)
+        PEERING_LOGS.update({p.env["POD_ID"]: p.log.read_text(errors="replace") for p in replicas["peer"]})
+    finally:
+        for proc in procs:
+            proc.stop()  # kopf's last keep-alive takes the replica out of the peering object
+        env.operator.start()
+    events = env.plane.audit_events()
+    for release, docs in renders.items():
+        needed, refused = used(events, _user(docs, "operator"))
+        assert not refused, (release, refused)
+        grants = {p for p in granted(docs) if p[0] == "kopf.dev"}
+        needed = {p for p in needed if p[0] == "kopf.dev"}
+        assert needed <= grants, (release, sorted(needed - grants))
+        unused = grants - needed
+        assert unused == PEERING_NOT_EXERCISED[release], f"{release}: granted, never used: {sorted(unused)}"
+        check_rbac_table(release, grants, needed)
+
+
+def test_two_peering_replicas_leave_one_active() -> None:
+    """With the same priority kopf pauses every replica and nothing is served; each replica draws its own."""
+    if not PEERING_LOGS:
+        pytest.skip("needs test_kopf_peering_uses_what_the_chart_grants_it_and_nothing_is_refused first")
+    # kopf's warning; its "Resuming ... Conflicting operators with the same priority are gone" is not one.
+    same = [
+        pod
+        for pod, log in PEERING_LOGS.items()
+        if "Possibly conflicting operators with the same priority" in log
+    ]
+    assert not same, f"{same} warned of a peer with the same priority and paused"
+    paused = [pod for pod, log in PEERING_LOGS.items() if "Pausing operations in favour of" in log]
+    assert len(paused) == len(PEERING_LOGS) - 1, paused

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 from typing import Any
 
@@ -34,6 +35,10 @@ def kopf_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
         config.peering.name = settings.peering
         config.peering.mandatory = True
         config.peering.clusterwide = not settings.namespaces
+        # Each replica its own priority: kopf freezes every replica whose peers have the same one ("Possibly
+        # conflicting operators with the same priority"), so with the default, 0 for all, none served.
+        # The highest serves, the others stand by; a restarted replica draws again.
+        config.peering.priority = random.SystemRandom().randrange(1, 2**31)
     return config
 
 
