@@ -1,0 +1,191 @@
+"""An RLRun on the real node against the same run on the embedded default: start, pods, throughput, sync.
+
+The node run is tests/test_node_run.py's (`run_on_node`: the contained one-node Kubernetes 1.20 cluster,
+the chart installed, `kubectl apply` of an RLRun of builtin://tiny-swe on two bundled tiny-python tasks with
+MiniSweAgent, GRPO 2 tasks × 4 trials per step, 2 steps, Sync). The baseline is the same RLRun run by
+`legorl run` (`EmbeddedRun`: local sandboxes, vLLM and the trainer as processes of this machine) on the same
+two tasks, model, harness settings and seed. The two alternate (`--repeats` times each, the order flipped
+every repeat) so that a drift of the machine falls on both. Per run it records:
+
+- `apply_to_first_agent_seconds`: from `kubectl apply` (the node) or the run's start (embedded) to the first
+  trial's agent running (the trial's launch plus its setup stage);
+- `trial_start_seconds` p50 / p95 over the run's trials: a trial pod's `status.startTime` to its agent
+  container running (init containers: tools, harness runtime, workspace setup, egress lock; then the proxy's
+  start), the embedded sandbox's setup stage for the baseline; the node has no warm pool to claim from
+  (SandboxPool warm sandboxes are image warmers today: nothing hands one to a trial): all cold starts;
+- `trials_per_minute`: trials over the span from the first launch to the last trial's end;
+- `sync_seconds` per step: the trainer's weight sync into the running engine (Filesystem: publish, then
+  vLLM's pause → update_weights → resume), from the trainer's step figures in the run store.
+
+    python benchmarks/node_run.py [--repeats 1] [--out benchmarks/results/node_run.json]
+
+Needs what tests/test_node_run.py needs (scripts/get-kube.sh, scripts/get-node.sh, scripts/build-images.sh,
+scripts/get-helm.sh, root). Writes the results file; README and docs/real-node.md copy figures from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from provenance import git_commit
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from legorl.api.kinds import RLRun  # noqa: E402
+from legorl.api.store import RunStore  # noqa: E402
+from tests import test_node_run as node_run  # noqa: E402
+
+
+def _time(value: Any) -> float:
+    return (
+        value.timestamp() if isinstance(value, datetime) else datetime.fromisoformat(str(value)).timestamp()
+    )
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def figures(store: RunStore, records: list[dict[str, Any]], started: float) -> dict[str, Any]:
+    """What one run measured, from its trial records and the trainer's step figures."""
+    train = [r for r in records if r["split"] == "train"]
+    stages = [{s["stage"]: s["seconds"] for s in r["stage_seconds"]} for r in train]
+    setup = [s["setup"] for s in stages if "setup" in s]
+    agent_at = [_time(r["started_at"]) + s.get("setup", 0.0) for r, s in zip(train, stages, strict=True)]
+    first = min(_time(r["started_at"]) for r in train)
+    last = max(_time(r["ended_at"]) for r in train)
+    return {
+        "trials": len(train),
+        "by_reason": dict(sorted(Counter(r["termination_reason"] for r in train).items())),
+        "apply_to_first_agent_seconds": round(min(agent_at) - started, 1),
+        "trial_start_seconds": {
+            "p50": round(statistics.median(setup), 1),
+            "p95": round(_quantile(setup, 0.95), 1),
+            "min": round(min(setup), 1),
+            "max": round(max(setup), 1),
+            "n": len(setup),
+        },
+        "trials_per_minute": round(60.0 * len(train) / (last - first), 2),
+        "sync_seconds": {f.step: round(f.sync_seconds, 2) for f in store.step_figures() if f.sync_seconds},
+        "published": store.published_versions(),
+    }
+
+
+def read_records(store_dir: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    return [
+        row
+        for path in sorted(store_dir.glob("trials/*/*/*.parquet"))
+        for row in pq.read_table(path).to_pylist()
+    ]
+
+
+def on_node(root: Path, helm: str) -> dict[str, Any]:
+    with node_run.run_on_node(root, helm) as trained:
+        succeeded = trained.condition("Succeeded")
+        if not succeeded or succeeded["status"] != "True":
+            raise SystemExit(f"the node's run did not succeed:\n{trained.diagnose()}")
+        out = figures(RunStore(str(trained.store)), trained.records(), trained.applied_at)
+        out["node_start"] = {k: round(v, 1) for k, v in trained.node.timings.items() if k != "stop"}
+        out["node_ready_to_apply_seconds"] = round(trained.timings["node_to_applied"], 1)
+        out["apply_to_succeeded_seconds"] = round(trained.timings["apply_to_end"], 1)
+        return out
+
+
+def embedded(root: Path) -> dict[str, Any]:
+    """The same RLRun on the embedded default: the same model, tasks (a file:// set of the same rows, their
+    repositories from the bundled set), harness settings (the embedded default gives mini.yaml itself),
+    algorithm, schedule and seed."""
+    from legorl.embedded.runner import EmbeddedRun  # noqa: PLC0415
+    from legorl.sandbox.bundled import builtin_task_set  # noqa: PLC0415
+
+    manifest = builtin_task_set()
+    tasks = manifest.parent.parent / "node-run-tasks"  # beside the bundled set, as `legorl tasks` keeps sets
+    shutil.rmtree(tasks, ignore_errors=True)
+    tasks.mkdir(parents=True)
+    rows = node_run.task_rows()
+    (tasks / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for row in rows:  # each row's repository (a git bundle), copied: the sandbox binds real paths only
+        (tasks / row["source"]).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(manifest.parent / row["source"], tasks / row["source"])
+    spec = json.loads(json.dumps(node_run.RLRUN["spec"]))
+    spec["policy"]["checkpoint"]["uri"] = "builtin://tiny-swe"
+    spec["pool"] = {"source": {"taskSet": {"uri": f"file://{tasks / 'tasks.jsonl'}"}}}
+    spec["tasks"]["source"]["uri"] = f"file://{tasks / 'tasks.jsonl'}"
+    spec["harness"].pop("configMapRef")
+    spec.pop("store")
+    run = RLRun.model_validate(
+        {
+            "apiVersion": "legorl.dev/v1alpha1",
+            "kind": "RLRun",
+            "metadata": {"name": "tiny-embedded"},
+            "spec": spec,
+        }
+    )
+    out = io.StringIO()
+    started = time.time()
+    wall = time.monotonic()
+    code = EmbeddedRun(run, root=root / "run", out=out).run()
+    if code != 0:
+        sys.stderr.write(out.getvalue()[-4000:])
+        raise SystemExit(f"the embedded run failed ({code})")
+    store_dir = root / "run" / "store"
+    result = figures(RunStore(str(store_dir)), read_records(store_dir), started)
+    result["start_to_end_seconds"] = round(time.monotonic() - wall, 1)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/node_run.json")
+    parser.add_argument("--helm", default=str(REPO / ".cache/tools/bin/helm"))
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        parser.error("the node needs root")
+    runs: list[dict[str, Any]] = []
+    for i in range(args.repeats):
+        order = ("node", "embedded") if i % 2 == 0 else ("embedded", "node")
+        for where in order:
+            root = Path(tempfile.mkdtemp(prefix=f"legorl-bench-{where}-"))
+            try:
+                result = on_node(root, args.helm) if where == "node" else embedded(root)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            result.update(where=where, repeat=i)
+            print(json.dumps(result), flush=True)
+            runs.append(result)
+    data = {
+        "what": "one RLRun (builtin://tiny-swe, 2 bundled tasks, MiniSweAgent, GRPO 2 tasks x 4 trials, "
+        "2 steps, Sync) on the contained real node (Kubernetes 1.20, dockershim) and on the embedded default",
+        "command": "python benchmarks/node_run.py"
+        + (f" --repeats {args.repeats}" if args.repeats != 1 else ""),
+        "commit": git_commit(),
+        "machine": f"{os.cpu_count()} CPUs, {platform.machine()}",
+        "warm_pool": "not measured: a SandboxPool's warm sandboxes pre-pull and idle, nothing hands one to a "
+        "trial (no claim path), so every trial pod here is a cold start",
+        "runs": runs,
+    }
+    Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
