@@ -1578,6 +1578,21 @@ def test_turns_carry_the_policy_version_the_engine_served(make_stack: MakeStack,
 
 
 @NAMING
+def test_the_weights_an_engine_started_with_are_recorded_as_v0(make_stack: MakeStack, names: bool) -> None:
+    """vLLM names its startup weights `default` until a weight update; they are the run's checkpoint, v0. On a
+    real node every step-1 trial recorded `default`, so the trainer found no trial of the version it trained
+    and step 1 had no fidelity figure."""
+    stack = make_stack(engine_options={"names_versions": names})
+    swap_weights(stack.engine, "default")  # the fake engine then names its weights as vLLM does at start
+    chat_call(stack, "SAY: one")
+    swap_weights(stack.engine, "v1")
+    chat_call(stack, "SAY: two", stream=True)
+    turns = assert_journal_matches_engine(stack)
+    assert [t["policy_versions"] for t in turns] == [["v0"], ["v1"]]
+    assert stack.trajectory()["policyVersions"] == ["v0", "v1"]
+
+
+@NAMING
 def test_a_weight_swap_during_a_stream_records_both_versions(make_stack: MakeStack, names: bool) -> None:
     stack = make_stack(engine_options={"chunk_tokens": 1, "delay_per_chunk": 0.05, "names_versions": names})
     chat_call(stack, "SAY: before")  # the proxy has seen how this engine reports versions

@@ -17,10 +17,23 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["HEADER", "SSE_PREFIX", "decode", "encode", "sse_comment"]
+__all__ = [
+    "ENGINE_STARTUP",
+    "HEADER",
+    "SSE_PREFIX",
+    "decode",
+    "encode",
+    "policy_version",
+    "policy_versions",
+    "sse_comment",
+]
 
 HEADER = "x-legorl-weight-versions"
 SSE_PREFIX = b": legorl-weight-versions "
+ENGINE_STARTUP = "default"
+"""vLLM's weight version until a weight update names one: the weights the engine started from."""
+STARTUP_POLICY = "v0"
+"""What those weights are to a run: its policy checkpoint, version 0 (`store.policy_version(0)`)."""
 
 
 def encode(versions: list[str]) -> str:
@@ -43,3 +56,19 @@ def decode(value: str | bytes) -> list[str] | None:
     if not isinstance(data, list) or not data or not all(isinstance(v, str) and v for v in data):
         return None
     return list(dict.fromkeys(data))
+
+
+def policy_version(engine_version: str) -> str:
+    """The policy version an engine's weight version stands for, as the proxy records it. vLLM names the
+    weights it started from `default`; those are the run's checkpoint, `v0` (an RLRun's fleet serves the
+    run's checkpoint, and preflight holds a shared fleet to it). `legorl run` renames its engine's startup
+    version itself; a fleet's pods are not renamed, and their `default` made step 1's trials look sampled
+    by no known version (no fidelity figure for the step, seen on a real node)."""
+    return STARTUP_POLICY if engine_version == ENGINE_STARTUP else engine_version
+
+
+def policy_versions(engine_versions: list[str] | None) -> list[str] | None:
+    """`policy_version` of each (None stays None: the versions are unreported)."""
+    if engine_versions is None:
+        return None
+    return list(dict.fromkeys(policy_version(v) for v in engine_versions))

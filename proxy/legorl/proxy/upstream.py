@@ -200,7 +200,7 @@ class Upstream:
         """A non-streaming call; the parsed JSON body. `served` gets the versions the engine named."""
         async with self._send("POST", "/v1/chat/completions", body, headers=headers) as response:
             if served is not None and (named := response.headers.get(weight_versions.HEADER)) is not None:
-                served.versions = weight_versions.decode(named)
+                served.versions = weight_versions.policy_versions(weight_versions.decode(named))
             content = await self._body(response, "the answer")
         try:
             data = fastjson.loads(content)
@@ -233,8 +233,8 @@ class Upstream:
                             if line.startswith(b"data:"):
                                 batch.append(line[5:].strip())
                             elif served is not None and line.startswith(weight_versions.SSE_PREFIX):
-                                served.versions = weight_versions.decode(
-                                    line[len(weight_versions.SSE_PREFIX) :]
+                                served.versions = weight_versions.policy_versions(
+                                    weight_versions.decode(line[len(weight_versions.SSE_PREFIX) :])
                                 )
                     if batch:
                         yield batch
@@ -242,7 +242,9 @@ class Upstream:
                 if tail.startswith(b"data:"):
                     yield [tail[5:].strip()]
                 elif served is not None and tail.startswith(weight_versions.SSE_PREFIX):
-                    served.versions = weight_versions.decode(tail[len(weight_versions.SSE_PREFIX) :])
+                    served.versions = weight_versions.policy_versions(
+                        weight_versions.decode(tail[len(weight_versions.SSE_PREFIX) :])
+                    )
             except http1.ReadTimeout as exc:
                 self._upstream_error("timeout")
                 raise ProxyError("engine_error", "the engine went silent mid-stream", status=504) from exc
@@ -322,4 +324,4 @@ class Upstream:
             if not wait:
                 return None
             raise ProxyError("engine_error", f"the engine's /weight_info answered {status} without a version")
-        return str(version)
+        return weight_versions.policy_version(str(version))
