@@ -372,6 +372,11 @@ def test_the_trainer_published_each_version_and_the_fleet_pod_took_them_without_
     syncs = {step: f.sync_seconds for step, f in figures.items()}
     print(f"weight sync seconds by step: {syncs}")
     assert all(s is not None and s > 0 for s in syncs.values()), syncs
+    # Rollout vs training token probabilities agree at every step, step 1 included: its trials record the
+    # engine's startup weights as v0, the version trained then (fp32 engine and trainer on CPU).
+    fidelity = {step: (f.fidelity_pearson, f.fidelity_tokens) for step, f in figures.items()}
+    print(f"fidelity (Pearson, tokens) by step: {fidelity}")
+    assert all(p is not None and p >= 0.99 and (n or 0) > 0 for p, n in fidelity.values()), fidelity
     # Trials of step 2 were served by v1 (Sync mode: the engine swapped in place between the steps).
     seen = {r["step"]: set(r["policy_versions"]) for r in trained.records() if r["num_turns"]}
     assert seen.get(STEPS) == {f"v{STEPS - 1}"}, seen
