@@ -86,16 +86,6 @@ def figures(store: RunStore, records: list[dict[str, Any]], started: float) -> d
     }
 
 
-def read_records(store_dir: Path) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq  # noqa: PLC0415
-
-    return [
-        row
-        for path in sorted(store_dir.glob("trials/*/*/*.parquet"))
-        for row in pq.read_table(path).to_pylist()
-    ]
-
-
 def on_node(root: Path, helm: str) -> dict[str, Any]:
     with node_run.run_on_node(root, helm) as trained:
         succeeded = trained.condition("Succeeded")
@@ -146,7 +136,7 @@ def embedded(root: Path) -> dict[str, Any]:
         sys.stderr.write(out.getvalue()[-4000:])
         raise SystemExit(f"the embedded run failed ({code})")
     store_dir = root / "run" / "store"
-    result = figures(RunStore(str(store_dir)), read_records(store_dir), started)
+    result = figures(RunStore(str(store_dir)), node_run.read_records(store_dir), started)
     result["start_to_end_seconds"] = round(time.monotonic() - wall, 1)
     return result
 

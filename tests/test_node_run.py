@@ -88,6 +88,12 @@ def policy_checkpoint() -> Path:
     return ensure_tiny_swe()
 
 
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    """Every trial record in a run's store folder (the trials' Parquet files)."""
+    paths = sorted(run_dir.glob("trials/*/*/*.parquet"))
+    return [row for path in paths for row in pq.read_table(path).to_pylist()]
+
+
 RLRUN: dict[str, Any] = {
     "apiVersion": "legorl.dev/v1alpha1",
     "kind": "RLRun",
@@ -192,11 +198,7 @@ class TrainedRun:
         return [e for e in items if kind is None or e["involvedObject"]["kind"] == kind]
 
     def records(self) -> list[dict[str, Any]]:
-        return [
-            row
-            for path in sorted(self.store.glob("trials/*/*/*.parquet"))
-            for row in pq.read_table(path).to_pylist()
-        ]
+        return read_records(self.store)
 
     def diagnose(self) -> str:
         k = self.node.kubectl
