@@ -37,7 +37,9 @@ from tests.engine import SERVED_MODEL_NAME, VllmServer, make_tiny_model
 Scope = MutableMapping[str, Any]
 Rewrite = Callable[[dict[str, Any]], dict[str, Any] | None]
 
-WEIGHT_VERSION = "default"  # what vLLM's /weight_info reports before any weight update
+WEIGHT_VERSION = "v0"
+"""What the proxy records for the engine's startup weights: vLLM's /weight_info says `default` until a
+weight update, and those weights are the run's checkpoint, v0 (legorl.api.weight_versions)."""
 MAX_MODEL_LEN = 32768
 """The shared engine's context: the tiny model's whole `max_position_embeddings`. The harness CLIs'
 prompts are long with the tiny byte-level tokenizer (first prompts measured: Codex 17.3k tokens,
