@@ -1072,19 +1072,7 @@ UI_VALUES = ("ui.enabled=true", "ui.actionTokenSecret=legorl-ui-action")
 UI_ACTION_TOKEN = "the-ui-action-token"
 """The token in the Secret `ui.actionTokenSecret` names (the UI's env, as its kubelet would set it)."""
 
-UI_NOT_EXERCISED: set[Permission] = {
-    # The UI reads on each request (it never watches), lists only RLRuns, pods and (core) Events, and
-    # gets only RLRuns, RolloutFleets and SandboxPools (legorl/ui/kube.py): no code path needs these,
-    # so the chart can drop them (docs/operator.md's rbac-ui table).
-    *(("legorl.dev", r, "watch") for r in ("rlruns", "rolloutfleets", "sandboxpools")),
-    ("legorl.dev", "rolloutfleets", "list"),
-    ("legorl.dev", "sandboxpools", "list"),
-    ("", "pods", "get"),
-    ("", "pods", "watch"),
-    ("", "events", "get"),
-    ("", "events", "watch"),
-    *(("events.k8s.io", "events", v) for v in ("get", "list", "watch")),
-}
+UI_NOT_EXERCISED: set[Permission] = set()
 """Grants of the UI's role that no request of the UI needs (the test fails if this set is stale)."""
 
 
@@ -1186,15 +1174,7 @@ PEERINGS = {
 the chart's Deployment runs) and limited to a namespace (a KopfPeering there; one replica, which then
 serves that namespace under the namespaced RBAC)."""
 
-PEERING_NOT_EXERCISED: dict[str, set[Permission]] = {
-    # kopf never reads a peering object directly (it lists and watches it, and merge-patches its
-    # status), and a cluster-wide operator uses the ClusterKopfPeering only, never a KopfPeering.
-    "peer": {
-        ("kopf.dev", "clusterkopfpeerings", "get"),
-        *(("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")),
-    },
-    "peerns": {("kopf.dev", "kopfpeerings", "get")},
-}
+PEERING_NOT_EXERCISED: dict[str, set[Permission]] = {"peer": set(), "peerns": set()}
 """kopf.dev grants no request of kopf's peering needs, by release (the test fails if stale)."""
 
 PEERING_LOGS: dict[str, str] = {}
