@@ -1149,6 +1149,31 @@ def test_agent_stage_end_is_classified_from_the_pod(
         assert gone is not None and gone.reason == "sandbox_error"
 
 
+@pytest.mark.parametrize(
+    ("finished", "expected"),
+    [
+        # `kubectl delete pod` at 11:05:00 (grace 30 s): the kubelet's SIGTERM ends the agent after.
+        ("2026-12-01T11:05:01Z", ("sandbox_error", False)),
+        # The agent had ended before anyone asked: its outcome stands, the journal is collected.
+        ("2026-12-01T11:04:00Z", ("agent_error", True)),
+    ],
+)
+def test_an_agent_stopped_by_the_pods_deletion_is_not_its_own_outcome(finished: str, expected: Any) -> None:
+    """The agent's exit (143) of a deleted pod is the deletion's, also when the controller looks only after
+    the agent has exited (a busy controller): before, such a trial was classified agent_error, its dying
+    proxy was asked for the journal and a verify pod graded what was left."""
+    stopped = _c(
+        "agent", terminated={"exitCode": 143, "startedAt": "2026-12-01T11:01:00Z", "finishedAt": finished}
+    )
+    pod = _pod(mains=[stopped])
+    pod["metadata"].update({"deletionTimestamp": "2026-12-01T11:05:30Z", "deletionGracePeriodSeconds": 30})
+    start = datetime(2026, 12, 1, 11, 0, tzinfo=UTC)
+    end = agent_end(
+        pod, now=start + timedelta(minutes=6), setup_seconds=600, agent_seconds=1800, launched=start
+    )
+    assert end is not None and (end.reason, end.collect) == expected
+
+
 def test_verify_verdicts_come_from_the_termination_message() -> None:
     created = NOW - timedelta(minutes=1)
 

@@ -78,6 +78,21 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
     return max(0.0, (end - start).total_seconds())
 
 
+DELETION_SLACK = timedelta(seconds=2)
+"""Clock skew allowed between the API server (deletionTimestamp) and the kubelet (finishedAt)."""
+
+
+def _deleted_before(meta: Mapping[str, Any], term: Mapping[str, Any] | None) -> bool:
+    """The pod is being deleted and its agent had not ended before the deletion was asked for
+    (`deletionTimestamp` is when the grace period ends: asked = it - deletionGracePeriodSeconds)."""
+    deadline = parse_time(meta.get("deletionTimestamp"))
+    if deadline is None:
+        return False
+    asked = deadline - timedelta(seconds=int(meta.get("deletionGracePeriodSeconds") or 0))
+    finished = parse_time((term or {}).get("finishedAt"))
+    return finished is None or finished >= asked - DELETION_SLACK
+
+
 def agent_end(
     pod: Mapping[str, Any],
     *,
@@ -98,6 +113,11 @@ def agent_end(
     seconds: dict[str, float] = {}
 
     term = _terminated(agent)
+    if _deleted_before(meta, term):
+        # Someone deleted the pod (or evicted it) while the agent ran: the kubelet stopped the agent
+        # (exit 143/137), and what it leaves is no outcome of the agent's. Checked before the agent's
+        # exit, which a busy controller may see first (it would then call a dying proxy, and grade).
+        return AgentEnd("sandbox_error", "the trial pod was deleted (evicted or deleted by someone)")
     if term is not None:
         started, finished = parse_time(term.get("startedAt")), parse_time(term.get("finishedAt"))
         for name, value in (("setup", _seconds(start, started)), ("agent", _seconds(started, finished))):
@@ -107,8 +127,6 @@ def agent_end(
         detail = f"the agent exited {code}" + (f" ({_explain(term)})" if _explain(term) else "")
         reason = "completed" if code == 0 else "agent_error"
         return AgentEnd(reason, detail, code, collect=True, stage_seconds=seconds)
-    if meta.get("deletionTimestamp"):
-        return AgentEnd("sandbox_error", "the trial pod was deleted (evicted or deleted by someone)")
     for name, container in inits.items():
         init_term = _terminated(container)
         if init_term is not None and int(init_term.get("exitCode", 0)) != 0:
