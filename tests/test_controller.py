@@ -97,6 +97,8 @@ class ScriptedBackend:
         self.launched: list[TrialRequest] = []
         self.live: dict[str, TrialRequest] = {}
         self.cancelled: list[str] = []
+        self.released: list[str] = []
+        """Trials `release`d, in order (each after its record was saved)."""
         self.on_launch: Callable[[TrialRequest], None] | None = None
 
     def launch(self, request: TrialRequest) -> None:
@@ -145,6 +147,10 @@ class ScriptedBackend:
 
     def adopt(self) -> list[TrialRequest]:
         return []
+
+    def release(self, trial: str) -> None:
+        self.live.pop(trial, None)
+        self.released.append(trial)
 
     def prefetch(self, tasks: Sequence[Task]) -> None:
         pass
@@ -392,6 +398,63 @@ def test_a_restart_reruns_no_finished_trial(tmp_path: Path) -> None:
     assert not again & saved
     assert store.committed_steps() == [1, 2, 3]
     assert ctl2.progress.trials_total == 12
+
+
+def test_each_trial_is_released_only_once_its_record_is_saved(tmp_path: Path) -> None:
+    """A backend keeps a returned trial's objects (a cluster's pods hold the proxy's journal) until the
+    controller has saved the record: an operator killed between the two loses nothing."""
+    run = make_run()
+    ctl, backend, _, store = controller(tmp_path, run)
+    requests: dict[str, TrialRequest] = {}
+    saved_at_release: list[bool] = []
+    backend.on_launch = lambda request: requests.update({request.trial: request})
+    release = backend.release
+
+    def checked(trial: str) -> None:
+        request = requests[trial]
+        saved_at_release.append(trial in {r.trial for r in store.saved_trials(request.split, request.step)})
+        release(trial)
+
+    backend.release = checked  # type: ignore[method-assign]
+    assert ctl.run().reason == "MaxSteps"
+    assert sorted(backend.released) == sorted(requests) and all(saved_at_release), saved_at_release
+
+
+def test_an_adopted_trial_saved_before_the_restart_keeps_its_record(tmp_path: Path) -> None:
+    """An operator killed after saving a trial but before deleting its pods: the next one finds the pods
+    and adopts the trial. Its record stands; the trial is released, not collected and saved again (what
+    is left of its pods, maybe half deleted, would grade it again as an infra failure)."""
+    run = make_run()
+    ctl, backend, _, store = controller(tmp_path, run)
+    first: list[TrialRequest] = []
+
+    def stop_midway(request: TrialRequest) -> None:
+        first.append(request)
+        if request.trial == "s2-t0-r1":
+            ctl.stop()
+
+    backend.on_launch = stop_midway
+    ctl.run()
+    kept = store.saved_trials("train", 1)
+    assert kept, "the first controller saved no trial"
+    before = {r.trial: (r.termination_reason, r.reward) for r in kept}
+
+    def sandbox_error(request: TrialRequest) -> tuple[TerminationReason, float | None]:
+        return TerminationReason.SANDBOX_ERROR, None
+
+    ctl2, backend2, _, _ = controller(tmp_path, run, reward=sandbox_error)
+    saved_request = next(r for r in first if r.trial in before)
+
+    def adopt() -> list[TrialRequest]:  # its pods are still there: collect would return it
+        backend2.live[saved_request.trial] = saved_request
+        return [saved_request]
+
+    backend2.adopt = adopt  # type: ignore[method-assign]
+    ctl2.trainer.step = 1  # type: ignore[attr-defined]
+    ctl2.run()
+    assert backend2.released[:1] == [saved_request.trial]
+    after = {r.trial: (r.termination_reason, r.reward) for r in store.saved_trials("train", 1)}
+    assert after[saved_request.trial] == before[saved_request.trial]
 
 
 def test_async_runs_ahead_within_the_staleness_limit(tmp_path: Path) -> None:

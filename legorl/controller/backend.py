@@ -72,6 +72,12 @@ class TrialBackend(Protocol):
         restart); from now on they are this controller's, and `collect` will return them. Backends
         whose trials die with the controller return []."""
 
+    def release(self, trial: str) -> None:
+        """Let go of a trial the controller has saved (or found saved): delete what it still holds. A
+        returned trial keeps its objects (on a cluster, its pods and the proxy's journal in them) until
+        this is called, so a controller that dies between `collect` and saving the record loses nothing:
+        the next one adopts the trial again. Idempotent; a trial this backend never held is fine."""
+
     def prefetch(self, tasks: Sequence[Task]) -> None:
         """The next tasks to run, in order: a hint to pre-pull their images (SandboxPool lookahead)."""
 

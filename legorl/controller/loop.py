@@ -371,8 +371,10 @@ class RunController:
                 log.warning(
                     "the backend returned trial %s, which this controller did not launch", record.trial
                 )
+                self.backend.release(record.trial)
                 continue
             self._save(record)
+            self.backend.release(record.trial)  # only now: a crash before the save loses nothing
             self._finished_times.append(self.clock())
             for stage, seconds in record.stage_seconds.items():
                 self._add_phase(stage, seconds)
@@ -508,7 +510,17 @@ class RunController:
         if committed:
             self.progress.step = committed[-1]
             log.info("resuming after step %d (%d trials recorded)", committed[-1], self.progress.trials_total)
+        stored: dict[tuple[str, int], set[str]] = {}
         for request in self.backend.adopt():
+            key = (request.split, request.step)
+            if key not in stored:
+                stored[key] = {r.trial for r in self.store.saved_trials(request.split, request.step)}
+            if request.trial in stored[key]:
+                # Saved by the controller before this one, which stopped before releasing it: its record
+                # stands (what is left of its pods, maybe half deleted, would grade it again, wrongly).
+                log.info("trial %s was saved before the restart; releasing what is left of it", request.trial)
+                self.backend.release(request.trial)
+                continue
             self._in_flight[request.trial] = request
         self._refresh_evals()
         self._refresh_trainer_metrics()
@@ -575,6 +587,7 @@ class RunController:
                 ):
                     # It ended on its own before the cancel landed: keep it.
                     self._save(record)
+                self.backend.release(record.trial)
         self._queue.clear()
 
     def _save(self, record: TrialRecord) -> None:

@@ -173,6 +173,9 @@ class LocalTrialBackend:
     def adopt(self) -> list[TrialRequest]:
         return []  # local trials die with the process that ran them
 
+    def release(self, trial: str) -> None:
+        pass  # a local trial's sandbox is gone when it is returned (its record carries the journal's turns)
+
     def prefetch(self, tasks: Sequence[Task]) -> None:
         pass  # the task repositories are local bundles: nothing to pull
 

@@ -292,6 +292,8 @@ class KubeTrialBackend:
         self.clock = clock
         self.namespace = run.metadata.namespace or "default"
         self._trials: dict[str, _Trial] = {}
+        self._returned: dict[str, TrialNames] = {}
+        """Trials `collect` returned whose objects wait for `release` (the record is not saved yet)."""
         self._ready: list[TrialRecord] = []
         self._detached = False
         self._http = httpx.Client(timeout=httpx.Timeout(self.settings.proxy_timeout_seconds, connect=5.0))
@@ -407,11 +409,22 @@ class KubeTrialBackend:
         if trial in self._trials:
             self._trials[trial].cancel = True
 
+    def release(self, trial: str) -> None:
+        held = self._trials.pop(trial, None)
+        names = self._returned.pop(trial, None) or (held.names if held else None)
+        if names is None:
+            names = TrialNames.of(self.run.metadata.name, trial)
+        if not self._detached:
+            self._delete_all(names)
+
     def close(self) -> None:
         if not self._detached:
             for trial in list(self._trials.values()):
                 self._cleanup(trial)
+            for names in self._returned.values():
+                self._delete_all(names)
             self._trials.clear()
+            self._returned.clear()
         self._http.close()
 
     # -- beyond the protocol -----------------------------------------------------------------------------
@@ -556,8 +569,8 @@ class KubeTrialBackend:
         findings: Sequence[Mapping[str, Any]] = (),
         stage_seconds: Mapping[str, float] | None = None,
     ) -> TrialRecord:
-        if not self._detached:
-            self._cleanup(trial)
+        # Its pods (the proxy's journal) stay until the controller has saved the record (`release`).
+        self._returned[trial.request.trial] = trial.names
         return self._record(
             trial,
             sandbox_reason,
