@@ -392,7 +392,7 @@ def job(name: str, **status: Any) -> dict[str, Any]:
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {"name": name, "namespace": NS, "generation": 1},
-        "spec": {"suspend": False, "backoffLimit": 0, "completions": 2, "parallelism": 2},
+        "spec": {"suspend": False, "backoffLimit": 6, "completions": 2, "parallelism": 2},
         "status": {"startTime": ts(NOW - timedelta(hours=1)), **status},
     }
 
@@ -1423,6 +1423,15 @@ def test_run_without_deadline_never_times_out() -> None:
     later = _run_status(fed_back(run, first), now=NOW + timedelta(days=60), fleet=fleet, pool=pool)
     assert reasons(later.conditions)["Failed"] == ("False", "AsExpected")
     assert later.completion_time is None
+
+
+def test_a_trainer_pod_the_job_replaces_does_not_fail_the_run() -> None:
+    """A killed trainer pod (failed=1) that the Job replaces (backoffLimit = spec.trainer.restarts): the
+    new pod resumes from the store, and only the Job's own Failed condition fails the run."""
+    trainer = job("coder-grpo-trainer", failed=1, active=1, conditions=[])
+    status = _run_status(make_run(), trainer, fleet=_ready_fleet(), pool=_ready_pool())
+    assert reasons(status.conditions)["Failed"][0] == "False"
+    assert status.phase != "Failed"
 
 
 def test_run_trainer_job_failed() -> None:

@@ -410,6 +410,11 @@ class TrainerSpec(ApiModel):
     """Node selection for trainer pods."""
     identity: PodIdentity = Field(default_factory=PodIdentity)
     """ServiceAccount and pull secrets for trainer pods."""
+    restarts: Annotated[int, Field(ge=0, le=100)] = 3
+    """How many times the trainer is started again after a pod of it failed (killed, OOM, a node lost),
+    before the run fails with TrainerFailed; each pod of the layout may fail that often (the Job's
+    backoffLimit is restarts × nodes). A new pod resumes from the last checkpoint and the run store:
+    the steps it had published are trained again from their stored batches and not published again."""
 
 
 class Checkpoints(ApiModel):

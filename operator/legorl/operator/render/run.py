@@ -258,9 +258,9 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int, nccl: bool) ->
             "completionMode": "Indexed",
             "completions": layout.nodes,
             "parallelism": layout.nodes,
-            # One rank failing fails the step for all; the run controller restarts from the
-            # last checkpoint rather than the Job retrying one rank alone.
-            "backoffLimit": 0,
+            # A failed pod is replaced and the trainer resumes from the last checkpoint and the store
+            # (one rank failing fails its peers too: each may fail `restarts` times).
+            "backoffLimit": trainer.restarts * layout.nodes,
             # An evicted or preempted pod (drain, spot reclaim) is replaced, not a failed run.
             "podFailurePolicy": {
                 "rules": [

@@ -259,9 +259,8 @@ def _set_ended(
 ) -> None:
     """Failed and Succeeded: the trainer Job, the run controller's outcome, the deadline. `run`
     carries the start time."""
-    trainer_failed = job is not None and (
-        job.counters.get("failed", 0) > 0 or job.conditions.get("Failed", ("",))[0] == "True"
-    )
+    # Failed pods the Job replaces (spec.trainer.restarts) are not the run's failure: the Job's is.
+    trainer_failed = job is not None and job.conditions.get("Failed", ("",))[0] == "True"
     outcome = controller.outcome if controller is not None else None
     start_time = run.status.start_time if run.status else None
     if trainer_failed and job is not None:
