@@ -219,3 +219,59 @@ def test_restart_after_a_failed_sync_brings_the_fleet_up_to_date(
     TrainingService(settings, store=store)  # restart: resume re-trains steps 1-2 and catches the fleet up
     with httpx.Client(base_url=server.url, timeout=30) as http:
         assert http.get("/weight_info").json()["weight_version"] == "v2"
+
+
+def test_a_replica_back_from_the_checkpoint_gets_the_newest_version_between_steps(
+    tiny: Path, server: VllmServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet pod restarted after v1 was synced starts from the checkpoint (vLLM calls those weights
+    `default`): while the trainer waits for the next batch, it finds the replica behind and loads v1
+    again, rather than leaving every trial of the step on v0 (stale, dropped in Sync mode). The restart
+    is played by the replica's first `/weight_info` answer here (restarting vLLM costs a minute); the load
+    that follows goes to the real engine."""
+    import threading  # noqa: PLC0415
+
+    from legorl.api.weights import PublishedWeights  # noqa: PLC0415
+    from legorl.trainer.fleet_sync import FleetWeightSync  # noqa: PLC0415
+    from legorl.trainer.service import TrainingService  # noqa: PLC0415
+
+    store = RunStore(str(tmp_path / "store"))
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        store.commit_batch(1, rollouts(http), policy_version="v0")
+    settings = TrainerSettings(
+        run="e2e",
+        store_uri=str(tmp_path / "store"),
+        checkpoint_dir=tiny,
+        fleet_urls=(server.url,),
+        device="cpu",
+        learning_rate=3e-3,
+        max_steps=2,
+        fleet_check_seconds=0,
+    )
+    service = TrainingService(settings, store=store)
+    assert service.run(max_steps=1, wait=False) == [1]
+
+    real_served, real_sync = FleetWeightSync.served_versions, FleetWeightSync.sync
+    restarted = iter([["default"]])
+    synced: list[str] = []
+
+    def served(self: FleetWeightSync) -> list[str]:
+        return next(restarted, None) or real_served(self)
+
+    def sync(self: FleetWeightSync, published: PublishedWeights) -> object:
+        synced.append(published.version)
+        report = real_sync(self, published)
+        service.stop.set()  # the check is what this test waits for
+        return report
+
+    monkeypatch.setattr(FleetWeightSync, "served_versions", served)
+    monkeypatch.setattr(FleetWeightSync, "sync", sync)
+    give_up = threading.Timer(120, service.stop.set)  # without the check, step 2's batch never comes
+    give_up.start()
+    try:
+        assert service.run(max_steps=2, wait=True, poll_seconds=0.05) == []
+    finally:
+        give_up.cancel()
+    assert synced == ["v1"]
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.get("/weight_info").json()["weight_version"] == "v1"

@@ -310,6 +310,7 @@ class TrainingService:
         """
         limit = max_steps if max_steps is not None else self.settings.max_steps
         done: list[int] = []
+        checked = time.monotonic()
         while True:
             action, arg = self._next(limit)
             if action == "stop":
@@ -323,8 +324,24 @@ class TrainingService:
             if not wait:
                 break
             if action == "wait":
+                if time.monotonic() - checked >= self.settings.fleet_check_seconds:
+                    self._watch_fleet()
+                    checked = time.monotonic()
                 self.stop.wait(poll_seconds)
         return done
+
+    def _watch_fleet(self) -> None:
+        """While the trials of the next step run: a replica that serves an older version than the newest
+        published one gets it. A restarted engine pod starts from the run's checkpoint (vLLM names it
+        `default`, recorded as v0) and nothing else would bring it up to date before the next step, so
+        in Sync mode every trial it served would be stale. Filesystem sync only: a replica that joins
+        after an NCCL group was formed is not in it (it is caught up when the trainer restarts)."""
+        if self.nccl is not None or not self.writer:
+            return
+        try:
+            self._catch_up_fleet()
+        except (WeightSyncError, OSError) as exc:  # a replica still starting; the next check retries
+            log.warning("could not bring the fleet up to date: %s", exc)
 
     def serve_scoring(self) -> list[str]:
         """Answer the canary's scoring requests (`RunStore.request_scoring`) with the weights held now:

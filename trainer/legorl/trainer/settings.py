@@ -91,6 +91,9 @@ class TrainerSettings(BaseModel):
     weight_sync_port: Annotated[int, Field(ge=1, le=65535)] = 29650
     pause_mode: Literal["keep", "wait", "abort"] = "keep"
     sync_timeout_seconds: Annotated[float, Field(gt=0)] = 600.0
+    fleet_check_seconds: Annotated[float, Field(ge=0)] = 10.0
+    """Between steps, how often the fleet's served versions are checked: a replica that came back (a
+    restarted engine pod starts from the checkpoint, v0) is given the newest published version."""
 
     max_steps: Annotated[int, Field(ge=1)] | None = None
     seed: int = 0
