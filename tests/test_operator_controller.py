@@ -800,6 +800,45 @@ def test_suspend_cancels_running_trials_and_cleans_up(cluster_factory: Any) -> N
 
 
 @pytest.mark.slow
+def test_a_trial_pod_deleted_mid_agent_keeps_the_turns_its_proxy_acknowledged(cluster_factory: Any) -> None:
+    """`kubectl delete pod` of a trial whose agent works: the kubelet stops the agent (143) and the proxy
+    drains (`--drain-seconds`; played here by a proxy that stays up). The trial is a sandbox_error, not
+    graded, and its record keeps the turns the proxy had acknowledged: before, it had none."""
+    scripts = {"s1-t0-r0": Script("solve", hold=True), "s1-t0-r1": Script("solve")}
+    cluster: Cluster = cluster_factory(scripts)
+    mock, kubelet, store = cluster.mock, cluster.kubelet, cluster.store
+    name = f"{RUN}-s1-t0-r0"
+    cluster.wait(lambda: name in kubelet.plays and kubelet.plays[name].turns_done, "the agent at work")
+    play = kubelet.plays[name]
+    play.agent_done = True  # the kubelet below stops it, not the script
+    # The API server marks the pod (this emulator keeps a deleted object that has a finalizer, as the
+    # grace period keeps a pod); the kubelet stops the agent.
+    mock.patch("v1", "pods", NS, name, {"metadata": {"finalizers": ["tests.legorl.dev/grace"]}})
+    mock.delete("v1", "pods", NS, name)
+    status = kubelet._running_status(play.ip)
+    status["containerStatuses"][0] = {
+        "name": "agent",
+        "image": IMAGE,
+        "ready": False,
+        "restartCount": 0,
+        "state": {
+            "terminated": {"exitCode": 143, "reason": "Error", "startedAt": stamp(-2), "finishedAt": stamp()}
+        },
+    }
+    mock.set_status("v1", "pods", NS, name, status)
+
+    def recorded() -> Any:
+        return next((r for r in store.saved_trials("train", 1) if r.trial == "s1-t0-r0"), None)
+
+    record = cluster.wait(recorded, "the deleted trial recorded")
+    assert (record.termination_reason.value, record.reward) == ("sandbox_error", None), record.error
+    assert record.error is not None and "deleted" in record.error
+    assert record.num_turns == 2 and record.segments, "the acknowledged turns were not kept"
+    assert "s1-t0-r0" not in kubelet.verified  # never graded
+    mock.patch("v1", "pods", NS, name, {"metadata": {"finalizers": None}})  # the grace period is over
+
+
+@pytest.mark.slow
 def test_fidelity_guard_suspends_the_run_and_a_resume_goes_on(cluster_factory: Any) -> None:
     scripts = {
         "s1-t0-r0": Script("solve"),

@@ -58,8 +58,11 @@ def decode(ids: list[int]) -> str:
 class Proxy:
     """`legorl proxy` as a child process on a fixed port and journal, so it can be killed and restarted."""
 
-    def __init__(self, upstream: str, journal: Path, port: int, log: Path) -> None:
+    def __init__(
+        self, upstream: str, journal: Path, port: int, log: Path, extra: tuple[str, ...] = ()
+    ) -> None:
         self.upstream, self.journal, self.port, self.log = upstream, journal, port, log
+        self.extra = extra
         self.url = f"http://127.0.0.1:{port}"
         self.process: subprocess.Popen[bytes] | None = None
         # One client for every plain request: a new httpx client costs a TLS context (~0.1 s).
@@ -73,6 +76,7 @@ class Proxy:
             "--port", str(self.port),
             "--policy-version-source", "fixed",
             "--log-level", "INFO",
+            *self.extra,
         ]  # fmt: skip
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -313,3 +317,45 @@ def test_torn_tail_is_dropped_and_reported_on_restart(tmp_path: Path) -> None:
             assert [r["index"] for r in recovered.records] == list(range(turns + 1))
             assert decode(recovered.records[-1]["completion_token_ids"]) == f"after {name}"
             turns += 1
+
+
+@pytest.mark.parametrize("read", [True, False], ids=["read", "never-read"])
+def test_a_terminated_proxy_serves_its_journal_until_it_is_read(tmp_path: Path, read: bool) -> None:
+    """SIGTERM to a trial pod's proxy (someone deleted the pod: the kubelet stops every container at
+    once) with `--drain-seconds`: it goes on serving until the controller has ended the trial and read
+    its trajectory, then stops; never read, it stops when the drain time is over. Before, it stopped at
+    once and the turns it had acknowledged were gone with the pod's emptyDir."""
+    engine = FakeEngine()
+    with serve(engine) as upstream:
+        drain = 6
+        proxy = Proxy(
+            upstream,
+            tmp_path / "journal",
+            free_port(),
+            tmp_path / "proxy.log",
+            ("--drain-seconds", str(drain)),
+        )
+        try:
+            proxy.start()
+            client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0)
+            for turn in range(2):
+                client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": f"SAY:d{turn}"}]
+                )
+            client.close()
+            assert proxy.process is not None
+            signalled = time.monotonic()
+            proxy.process.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            assert proxy.process.poll() is None, proxy.log.read_text()
+            if read:
+                proxy.http.post("/finish", json={"reason": "sandbox_error", "detail": "the pod was deleted"})
+                trajectory = proxy.http.get("/trajectory").json()
+                assert trajectory["turns"] == 2 and trajectory["end"]["reason"] == "sandbox_error"
+                proxy.process.wait(timeout=3)
+            else:
+                proxy.process.wait(timeout=drain + 3)
+                assert time.monotonic() - signalled >= drain - 0.5
+            assert "serving the trial's journal until it is read" in proxy.log.read_text()
+        finally:
+            proxy.stop()

@@ -61,6 +61,8 @@ class ProxyTrial:
     """Setup's record of the staged workspace."""
     store_uri: str | None = None
     """The run store (`LEGORL_STORE_URI` in the proxy's environment)."""
+    drain_seconds: int = 0
+    """After SIGTERM, serve the journal until the controller has read it, at most this long (a pod)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ def proxy_command(run: RLRun | ProxyRun, trial: ProxyTrial) -> ProxyCommand:
         *([f"--temperature={spec.temperature}"] if spec.temperature is not None else []),
         *([f"--top-p={spec.top_p}"] if spec.top_p is not None else []),
         *(["--capture-routed-experts"] if trial.capture_routed_experts else []),
+        *([f"--drain-seconds={trial.drain_seconds}"] if trial.drain_seconds else []),
     ]
     env = {"LEGORL_STORE_URI": trial.store_uri} if trial.store_uri else {}
     return ProxyCommand(args=args, env=env)

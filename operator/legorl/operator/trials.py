@@ -481,7 +481,10 @@ class KubeTrialBackend:
         if end is None:
             return None
         if not end.collect:
-            return self._finish(trial, end.reason, end.detail, stage_seconds=end.stage_seconds)
+            trajectory = self._salvage(trial, pod, end) if end.salvage else None
+            return self._finish(
+                trial, end.reason, end.detail, trajectory=trajectory, stage_seconds=end.stage_seconds
+            )
         trial.agent = end
         try:
             proxy = self._client(pod)
@@ -640,6 +643,17 @@ class KubeTrialBackend:
         return ProxyClient(
             self._http, f"http://{host}:{self.settings.proxy_port}", attempts=self.settings.proxy_attempts
         )
+
+    def _salvage(self, trial: _Trial, pod: Mapping[str, Any], end: AgentEnd) -> TrajectorySummary | None:
+        """The turns a deleted pod's proxy acknowledged, read while it drains (its journal is in the pod's
+        emptyDir): the trial is not graded, but what the agent was told stays on its record."""
+        try:
+            self._client(pod).finish(TerminationReason(end.reason), end.exit_code, end.detail)
+        except ProxyCallError as exc:
+            log.warning("trial %s: the deleted pod's proxy is gone: %s", trial.request.trial, exc)
+            trial.proxy_problem = str(exc)
+            return None
+        return self._trajectory(trial)
 
     def _trajectory(self, trial: _Trial) -> TrajectorySummary | None:
         pod = self.pods.get(self.namespace, trial.names.pod)

@@ -204,6 +204,8 @@ class ProxyApp:
         )
         self._trial_attributes = {"legorl.run": settings.run, "legorl.trial": settings.trial}
         self.trial: Trial | None = None
+        self.collected = False
+        """The trajectory was read since the trial ended: what the journal holds has been recorded."""
         self.upstream: Upstream | None = None
         self._admission: asyncio.Semaphore | None = None
         self._startup_lock: asyncio.Lock | None = None
@@ -605,7 +607,10 @@ class ProxyApp:
     async def _trajectory(self, request: Request) -> Response:
         assert self.trial is not None
         tokens = request.query_params.get("tokens") != "false"
-        return _Json(self.trial.trajectory(tokens=tokens))
+        body = _Json(self.trial.trajectory(tokens=tokens))
+        if tokens and self.trial.end is not None:
+            self.collected = True  # a draining proxy may stop now (main.serve)
+        return body
 
     async def _turns(self, request: Request) -> Response:
         assert self.trial is not None

@@ -83,6 +83,7 @@ def serve(settings: ProxySettings) -> None:
     import uvicorn  # noqa: PLC0415
 
     from legorl.proxy.app import ProxyApp  # noqa: PLC0415
+    from legorl.proxy.drain import DrainingServer  # noqa: PLC0415
 
     provider = _tracer_provider(settings)
     app = ProxyApp(settings, tracer_provider=provider)
@@ -104,7 +105,7 @@ def serve(settings: ProxySettings) -> None:
         server_header=False,
         date_header=False,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app, settings.drain_seconds)
     log.info(
         "proxy for trial %s listening on %s → %s",
         settings.trial,

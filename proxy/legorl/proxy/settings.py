@@ -95,6 +95,12 @@ class ProxySettings(BaseModel):
     """OTLP/HTTP endpoint for traces, used as it is (e.g. `http://collector:4318/v1/traces`); unset:
     the standard `OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT` variables, and without those no export."""
 
+    drain_seconds: Annotated[float, Field(ge=0, le=3600)] = 0.0
+    """After SIGTERM, go on serving until the trial's trajectory has been read since it ended (`POST
+    /finish`, then `GET /trajectory`), or this many seconds have passed. A trial pod someone deletes
+    keeps its journal that long (within the pod's grace period), so the controller still records the
+    acknowledged turns. 0: stop at once."""
+
     admission_kv_usage: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     """Session admission under KV pressure: the trial's first call waits while the engine's KV
     cache usage (vLLM's `vllm:kv_cache_usage_perc` at `/metrics`) is at or above this share, so

@@ -45,6 +45,11 @@ VERIFY_PREPARE_UID = 65531
 PROXY_UID = 65533
 """The proxy runs as its own user: the egress lock lets only this UID open non-loopback sockets."""
 PROXY_PORT = 4000
+TRIAL_GRACE_SECONDS = 10
+"""A trial pod's terminationGracePeriodSeconds."""
+PROXY_DRAIN_SECONDS = 8
+"""How long a deleted trial pod's proxy goes on serving the journal for the controller to read (SIGTERM
+reaches every container at once; within the grace period)."""
 TOOLS_DIR = "/legorl"
 HARNESS_DIR = "/opt/legorl-harness"
 STAGED_WORKSPACE = "/staged-workspace"
@@ -213,6 +218,7 @@ def _proxy_sidecar(trial: TrialContext, ctx: RenderContext) -> dict[str, Any]:
             workspace=PROXY_WORKSPACE,
             baseline=BASELINE,
             store_uri=trial.store_uri or None,
+            drain_seconds=PROXY_DRAIN_SECONDS,
         ),
     )
     return {
@@ -363,7 +369,7 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": {**RESTRICTED_POD_SECURITY, "fsGroup": AGENT_UID},
-        "terminationGracePeriodSeconds": 10,
+        "terminationGracePeriodSeconds": TRIAL_GRACE_SECONDS,
         "initContainers": init_containers,
         "containers": [agent],
         "volumes": volumes,

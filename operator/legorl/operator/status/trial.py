@@ -45,6 +45,9 @@ class AgentEnd:
     exit_code: int | None = None
     collect: bool = False
     """Whether the proxy holds results to collect (the agent ran and the pod still runs)."""
+    salvage: bool = False
+    """Not graded, but the proxy may still hold the turns it acknowledged: read them while it drains
+    (a pod being deleted)."""
     stage_seconds: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -117,7 +120,9 @@ def agent_end(
         # Someone deleted the pod (or evicted it) while the agent ran: the kubelet stopped the agent
         # (exit 143/137), and what it leaves is no outcome of the agent's. Checked before the agent's
         # exit, which a busy controller may see first (it would then call a dying proxy, and grade).
-        return AgentEnd("sandbox_error", "the trial pod was deleted (evicted or deleted by someone)")
+        return AgentEnd(
+            "sandbox_error", "the trial pod was deleted (evicted or deleted by someone)", salvage=True
+        )
     if term is not None:
         started, finished = parse_time(term.get("startedAt")), parse_time(term.get("finishedAt"))
         for name, value in (("setup", _seconds(start, started)), ("agent", _seconds(started, finished))):
