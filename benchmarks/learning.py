@@ -24,7 +24,8 @@ intervals, what the policies did, wall times, settings, checks, the git commit) 
 
     python benchmarks/learning.py                       # seeds 2, 3, 4, reported on the test split
     python benchmarks/learning.py --split validation    # what settings are chosen with
-    python benchmarks/learning.py --quick --out /tmp/l.json   # CI's end-to-end check (1 seed, 2 steps)
+    python benchmarks/learning.py --quick --out /tmp/l.json   # CI's end-to-end check (1 seed, 2 steps,
+                                                              # demonstrations of 16 tasks per split)
 """
 
 from __future__ import annotations
@@ -110,9 +111,19 @@ class Settings:
     report_tasks: int | None = None
     """Score only the first N tasks of the reported split (None: all)."""
     more_sft_learning_rate: float = 1e-3
+    demo_tasks: int | None = None
+    """Record demonstrations of only the first N tasks of each split (None: all)."""
 
 
-QUICK = Settings(sft_steps=40, rl_steps=2, tasks_per_step=2, group_size=2, report_tasks=3, target_copying=0.0)
+QUICK = Settings(
+    sft_steps=40,
+    rl_steps=2,
+    tasks_per_step=2,
+    group_size=2,
+    report_tasks=3,
+    target_copying=0.0,
+    demo_tasks=16,
+)
 
 
 def rlrun(
@@ -489,8 +500,9 @@ def main(argv: list[str] | None = None) -> int:
         demos[split] = args.work / f"demos-{split}.jsonl"
         if not demos[split].exists():
             say(f"recording the {split} demonstrations with mini-swe-agent")
+            limit = ["--limit", str(s.demo_tasks)] if s.demo_tasks is not None else []
             sh([PY, "-m", "legorl.trainer.reading", "demos", "--tasks", str(manifest), "--split", split,
-                "--out", str(demos[split])], log)  # fmt: skip
+                "--out", str(demos[split]), *limit], log)  # fmt: skip
         check_demonstrations(demos[split], split, manifest)
     seeds = []
     for seed in args.seeds:

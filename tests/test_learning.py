@@ -123,6 +123,7 @@ def test_the_warm_start_never_sees_a_validation_or_test_task(quick: tuple[Path, 
     demos = [json.loads(line) for line in (work / "demos-train.jsonl").read_text().splitlines()]
     by_id = reading.by_id()
     assert demos and all(by_id[d["task_id"]].split == "train" for d in demos)
+    assert len(demos) == 16  # --quick records the split's first 16 tasks (the full benchmark: all)
     text = "\n".join(json.dumps(d) for d in demos)
     for task in reading.reading_tasks():
         if task.split != "train":

@@ -74,8 +74,11 @@ def fix_and_submit(fix_command: str) -> str:
     return f"{fix_command} && {SUBMIT_COMMAND}"
 
 
-def demonstrations(task_set: TaskSet, split: str, *, workers: int | None = None) -> list[Demonstration]:
-    """The careful agent's conversation on every task of `split`, recorded with mini's agent loop."""
+def demonstrations(
+    task_set: TaskSet, split: str, *, workers: int | None = None, limit: int | None = None
+) -> list[Demonstration]:
+    """The careful agent's conversation on every task of `split` (its first LIMIT), recorded with mini's
+    agent loop."""
     import os  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
@@ -85,7 +88,7 @@ def demonstrations(task_set: TaskSet, split: str, *, workers: int | None = None)
     from legorl.trainer.demos import Behaviour, Demonstration, mini_config, record  # noqa: PLC0415
 
     config = mini_config()
-    tasks = [t for t in task_set if t.split == split]
+    tasks = [t for t in task_set if t.split == split][:limit]
     if not tasks:
         raise ValueError(f"no task of the task set is labelled {split!r}: use builtin://tiny-read")
 
@@ -309,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--tasks", type=Path, required=True, help="tasks.jsonl of builtin://tiny-read")
     d.add_argument("--split", required=True, choices=["train", "validation", "test"])
     d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--limit", type=int, help="only the split's first N tasks (a quick check)")
     w = sub.add_parser("warmstart", help="SFT a fresh model on training demonstrations")
     w.add_argument("--demos", type=Path, required=True, help="training demonstrations (JSONL)")
     w.add_argument("--validation", type=Path, help="validation demonstrations: the copying score")
@@ -332,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.command == "demos":
         task_set = load_task_set(args.tasks)
-        made = demonstrations(task_set, args.split)
+        made = demonstrations(task_set, args.split, limit=args.limit)
         if any(task_set.get(x.task_id).split != args.split for x in made):  # pragma: no cover -- guard
             raise SystemExit("a demonstration of another split was recorded")
         save_demonstrations(made, args.out)
