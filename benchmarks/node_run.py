@@ -18,6 +18,12 @@ every repeat) so that a drift of the machine falls on both. Per run it records:
   vLLM's pause → update_weights → resume), from the trainer's step figures in the run store.
 
     python benchmarks/node_run.py [--repeats 1] [--out benchmarks/results/node_run.json]
+    python benchmarks/node_run.py --faults [--out benchmarks/results/node_faults.json]
+
+`--faults` runs the node's RLRun once with tests/node_faults.py's faults injected while it trains (a trial
+pod deleted, the operator and the trainer killed with SIGKILL, the kubelet restarted, the fleet pod deleted)
+and writes the fault table: per fault, when it came, what happened, and from the run store `lost`,
+`duplicated` and `orphaned`.
 
 Needs what tests/test_node_run.py needs (scripts/get-kube.sh, scripts/get-node.sh, scripts/build-images.sh,
 scripts/get-helm.sh, root). Writes the results file; README and docs/real-node.md copy figures from it.
@@ -141,14 +147,50 @@ def embedded(root: Path) -> dict[str, Any]:
     return result
 
 
+def with_faults(root: Path, helm: str) -> dict[str, Any]:
+    """The node's run with the faults injected, and what each did."""
+    with node_run.run_on_node(root, helm, faults=True) as trained:
+        ended = node_run.ended(trained) or {}
+        report = node_run.fault_report(trained)
+        status = trained.run().get("status") or {}
+        return {
+            "ended": {"type": "Succeeded" if trained.condition("Succeeded") == ended else "Failed", **ended},
+            "step": status.get("step"),
+            "policy_version": status.get("policyVersion"),
+            "apply_to_end_seconds": round(trained.timings["apply_to_end"], 1),
+            "trials_by_reason": dict(Counter(r["termination_reason"] for r in trained.records())),
+            "faults": report.table(),
+        }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/node_run.json")
     parser.add_argument("--helm", default=str(REPO / ".cache/tools/bin/helm"))
+    parser.add_argument("--faults", action="store_true", help="one node run with faults injected")
     args = parser.parse_args()
     if os.geteuid() != 0:
         parser.error("the node needs root")
+    if args.faults:
+        out = args.out if args.out != parser.get_default("out") else "benchmarks/results/node_faults.json"
+        root = Path(tempfile.mkdtemp(prefix="legorl-bench-faults-"))
+        try:
+            result = with_faults(root, args.helm)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        result = {
+            "what": "the node's RLRun (as benchmarks/node_run.py) with faults injected while it trains "
+            "(tests/node_faults.py)",
+            "command": "python benchmarks/node_run.py --faults",
+            "commit": git_commit(),
+            "machine": f"{os.cpu_count()} CPUs, {platform.machine()}",
+            **result,
+        }
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result["faults"], indent=1))
+        print(f"wrote {out}")
+        return 0
     runs: list[dict[str, Any]] = []
     for i in range(args.repeats):
         order = ("node", "embedded") if i % 2 == 0 else ("embedded", "node")

@@ -76,6 +76,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -896,6 +897,29 @@ class Node:
         # does at start): once more, no way out of the namespace before it starts.
         self._assert_no_way_out()
         self._spawn("kubelet", argv)
+
+    def restart_kubelet(self, timeout: float = 120) -> float:
+        """Stop the kubelet as a service manager restarts it (SIGTERM) and start it again with the same
+        flags; its pods go on running in Docker meanwhile. Returns the seconds until it renewed the
+        node's Lease again (its heartbeat, every 10 s)."""
+        (old,) = [p for p in self.procs if p.name == "kubelet" and p.proc.poll() is None]
+        old.stop()
+        self.procs.remove(old)
+        stopped = time.time()
+        self._assert_no_way_out()
+        self._spawn("kubelet", old.argv)
+
+        def renewed() -> bool:
+            got = self.kubectl(
+                "get", "lease", NODE_NAME, "-n", "kube-node-lease", "-o", "json", check=False, timeout=10
+            )
+            if got.returncode != 0:
+                return False
+            renew = json.loads(got.stdout)["spec"].get("renewTime") or ""
+            return bool(renew) and datetime.fromisoformat(renew.replace("Z", "+00:00")).timestamp() > stopped
+
+        self._wait("the restarted kubelet did not renew its Lease", renewed, timeout, every=1.0)
+        return time.time() - stopped
 
     def _wait_node_ready(self, timeout: float) -> None:
         def ready() -> bool:

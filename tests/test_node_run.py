@@ -20,6 +20,11 @@ each trial pod (init containers tools, harness-runtime, setup, egress-lock; the 
 each verify pod and the trainer Job's pod (megatron-core on CPU), which publishes v1 and v2 into the store
 and loads them into the running engine.
 
+While it trains, tests/node_faults.py injects faults, each at its moment: a trial pod deleted while its agent
+works, the operator's and the trainer's processes killed with SIGKILL, the kubelet restarted, the fleet's pod
+deleted. The run must still succeed, and the store must show no acknowledged turn lost, no trial counted
+twice and nothing of a trial left (`test_the_run_survived_the_faults_and_lost_nothing`).
+
 What is test infrastructure here (docs/real-node.md): the node is Kubernetes 1.20, so pods reach the API
 through tests/kube120's Downgrade, which also plays the two 1.21+/1.28+ features the operator renders for:
 the trainer's Indexed Job (its pod's index annotation and hostname) and the proxy as a native sidecar (the
@@ -37,6 +42,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +51,7 @@ import pytest
 
 from legorl.controller.harness import CONFIG_DIR
 from tests.kubenode import Node, kubectl_binary, node, skip_unless_node_can_run
+from tests.node_faults import Fault, FaultDriver
 from tests.test_node_operator import (
     FULLNAME,
     RELEASE,
@@ -181,6 +188,8 @@ class TrainedRun:
     timings: dict[str, float] = field(default_factory=dict)
     applied_at: float = 0.0
     """When the RLRun was applied (seconds since the epoch)."""
+    faults: FaultDriver | None = None
+    """The faults injected while it ran (`run_on_node(faults=True)`)."""
 
     def get(self, *args: str) -> Any:
         return self.node.get_json(*args)
@@ -224,6 +233,13 @@ class TrainedRun:
         raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.diagnose()}")
 
 
+def _time(value: Any) -> float:
+    """A record's timestamp (a datetime from Parquet, or its ISO text) as seconds since the epoch."""
+    return (
+        value.timestamp() if isinstance(value, datetime) else datetime.fromisoformat(str(value)).timestamp()
+    )
+
+
 def ended(trained: TrainedRun) -> dict[str, Any] | None:
     for type_ in ("Succeeded", "Failed"):
         cond = trained.condition(type_)
@@ -233,9 +249,10 @@ def ended(trained: TrainedRun) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def run_on_node(root: Path, helm: str) -> Iterator[TrainedRun]:
+def run_on_node(root: Path, helm: str, *, faults: bool = False) -> Iterator[TrainedRun]:
     """The node started in ROOT, the chart installed, the run's volumes, ConfigMaps and RLRun applied; yields
-    once the run has ended (Succeeded or Failed), then stops the node. Also used by benchmarks/node_run.py."""
+    once the run has ended (Succeeded or Failed), then stops the node. FAULTS: tests/node_faults.py injects
+    its faults while the run goes. Also used by benchmarks/node_run.py."""
     store = root / "store"
     store.mkdir()
     os.chown(store, 65532, 65532)  # the operator's and the trainer's uid write it (fsGroup does not apply)
@@ -292,14 +309,31 @@ def run_on_node(root: Path, helm: str) -> Iterator[TrainedRun]:
             start = time.monotonic()
             trained.applied_at = time.time()
             cluster.kubectl("apply", "-f", "-", stdin=json.dumps(RLRUN))
-            trained.wait(lambda: ended(trained), "the run to end", RUN_TIMEOUT)
+            if faults:
+                trained.faults = FaultDriver(
+                    cluster, namespace=NS, run=RUN, release_namespace=RELEASE_NS, store=trained.store,
+                    records=trained.records, started=trained.applied_at,
+                )  # fmt: skip
+                trained.faults.start()
+                stack.callback(trained.faults.join, 60)
+                stack.callback(trained.faults.stop.set)
+
+            def over() -> dict[str, Any] | None:
+                if trained.faults is not None:
+                    trained.faults.check()  # a failing fault driver fails the run's wait
+                return ended(trained)
+
+            trained.wait(over, "the run to end", RUN_TIMEOUT)
             trained.timings["apply_to_end"] = time.monotonic() - start
+            if trained.faults is not None:
+                trained.faults.stop.set()
+                trained.faults.join(60)
             yield trained
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, helm: str) -> Iterator[TrainedRun]:
-    with run_on_node(tmp_path_factory.mktemp("node-run"), helm) as run:
+    with run_on_node(tmp_path_factory.mktemp("node-run"), helm, faults=True) as run:
         yield run
 
 
@@ -379,17 +413,27 @@ def test_the_trainer_published_each_version_and_the_fleet_pod_took_them_without_
     fidelity = {step: (f.fidelity_pearson, f.fidelity_tokens) for step, f in figures.items()}
     print(f"fidelity (Pearson, tokens) by step: {fidelity}")
     assert all(p is not None and p >= 0.99 and (n or 0) > 0 for p, n in fidelity.values()), fidelity
-    # Trials of step 2 were served by v1 (Sync mode: the engine swapped in place between the steps).
-    seen = {r["step"]: set(r["policy_versions"]) for r in trained.records() if r["num_turns"]}
-    assert seen.get(STEPS) == {f"v{STEPS - 1}"}, seen
-    # One engine pod for the whole run, never restarted: its kubelet Events show one start of vllm.
+    # Trials of step 2 were served by v1 (Sync mode: the engine swapped in place between the steps), but
+    # those that called the fleet's new pod (a fault deleted the first) before the trainer gave it v1: they
+    # saw its startup weights, v0, ended after the fault, and were dropped as stale.
+    restart = faults_of(trained)["fleet pod restart"]
+    assert restart.at is not None
+    step_records = [r for r in trained.records() if r["num_turns"] and r["step"] == STEPS]
+    seen = {r["trial"]: set(r["policy_versions"]) for r in step_records}
+    print(f"step {STEPS} trials by the versions that served them: {seen}")
+    assert all(v <= {"v0", f"v{STEPS - 1}"} for v in seen.values()), seen
+    on_v0 = [r for r in step_records if "v0" in r["policy_versions"]]
+    assert all(_time(r["ended_at"]) > trained.applied_at + restart.at for r in on_v0), on_v0
+    assert figures[STEPS].dropped_stale == len(on_v0), (figures[STEPS].dropped_stale, seen)
+    # The engine pod took every sync in place: vllm started once in each pod (the second one is the fault's).
     engine = {n: c for n, c in _started(trained.events()).items() if n.startswith(f"{RUN}-fleet-engine-")}
     starts = [
         e for e in trained.events() if e["involvedObject"]["name"] in engine and e["reason"] == "Started"
     ]
-    assert len(engine) == 1 and [e.get("count", 1) for e in starts] == [1], starts
+    assert len(engine) == 2 and [e.get("count", 1) for e in starts] == [1, 1], starts
+    # The trainer Job: the pod killed by the fault failed, its replacement trained to the end.
     job = trained.get("job", f"{RUN}-trainer", "-n", NS)
-    assert job["status"].get("succeeded") == 1 or job["status"].get("active") in (None, 0), job["status"]
+    assert (job["status"].get("failed"), job["status"].get("succeeded")) == (1, 1), job["status"]
     assert (
         "megatron" in trained.node.kubectl("logs", "-n", NS, f"job/{RUN}-trainer", check=False).stdout.lower()
     )
@@ -415,5 +459,122 @@ def test_the_watch_transcript_shows_the_run_and_its_pods(trained: TrainedRun) ->
     print(runs)
     assert runs.splitlines()[0].split()[:5] == ["NAME", "PHASE", "STEP", "POLICY", "REWARD"], runs
     assert "Succeeded" in runs.splitlines()[-1], runs
-    for pod in (f"{RUN}-trainer-", f"{RUN}-fleet-engine-", f"{RUN}-s1-t0-r0 ", f"{RUN}-s1-t0-r0-verify"):
+    graded = next(r["trial"] for r in trained.records() if r["step"] == 1 and r["reward"] is not None)
+    for pod in (f"{RUN}-trainer-", f"{RUN}-fleet-engine-", f"{RUN}-{graded} ", f"{RUN}-{graded}-verify"):
         assert pod in pods, pod
+
+
+def trainer_logs(trained: TrainedRun) -> str:
+    """Every trainer pod's log (`kubectl logs job/...` shows one pod's; the replacement has the rest)."""
+    names = [
+        p["metadata"]["name"]
+        for p in trained.get("pods", "-n", NS)["items"]
+        if p["metadata"]["name"].startswith(f"{RUN}-trainer-")
+    ]
+    return "\n".join(
+        trained.node.kubectl("logs", "-n", NS, name, check=False).stdout for name in sorted(names)
+    )
+
+
+def faults_of(trained: TrainedRun) -> dict[str, Any]:
+    assert trained.faults is not None
+    return trained.faults.faults
+
+
+@dataclass
+class FaultReport:
+    """What the faults did (tests/node_faults.py), with the facts the table was written from."""
+
+    faults: dict[str, Fault]
+    deleted_record: dict[str, Any]
+    adopted: list[str]
+    """The restarted operator's log lines that name the trials it adopted."""
+    job: dict[str, Any]
+    """The trainer Job's status."""
+    caught_up: list[str]
+    """The trainer's log lines of a fleet catch-up."""
+    batched: list[str]
+    """The trial ids of the committed batches, in order."""
+
+    def table(self) -> list[dict[str, Any]]:
+        return [f.row() for f in self.faults.values()]
+
+
+def fault_report(trained: TrainedRun) -> FaultReport:
+    """Account for each injected fault from the run store and the cluster (also benchmarks/node_run.py)."""
+    from legorl.api.store import RunStore  # noqa: PLC0415
+
+    assert trained.faults is not None
+    store = RunStore(str(trained.store))
+    records = trained.records()
+    batched = [t.trial for step in store.committed_steps() for t in store.read_batch(step).trials]
+    leftovers = [
+        i["metadata"]["name"]
+        for i in trained.get("pods,configmaps", "-n", NS)["items"]
+        if i["metadata"]["name"].startswith(f"{RUN}-s")
+    ]
+    faults = {f.name: f for f in trained.faults.account(records, leftovers, batched)}
+    by_trial = {r["trial"]: r for r in records}
+    k = trained.node.kubectl
+
+    deleted = faults["trial pod deleted"]
+    record = by_trial.get(deleted.observed.get("trial", ""), {})
+    deleted.happened = (
+        f"trial {deleted.observed.get('trial')} ended {record.get('termination_reason')} "
+        f"({record.get('error')}), not graded; its record kept {record.get('num_turns')} turns, its proxy "
+        f"had acknowledged {deleted.observed.get('acknowledged_before')} when the pod was deleted"
+    )
+    operator = faults["operator kill -9"]
+    log = k("logs", "-n", RELEASE_NS, f"deployment/{FULLNAME}-operator", check=False).stdout
+    adopted = [line for line in log.splitlines() if "adopted" in line and "running trial" in line]
+    operator.happened = (
+        f"the kubelet restarted the container (Ready again after "
+        f"{operator.observed.get('operator_ready_again_seconds')} s); the new operator adopted the trial "
+        f"pods in flight ({len(operator.in_flight)}), relaunching none: "
+        f"{adopted[-1:] or 'no adoption logged'}"
+    )
+    trainer = faults["trainer kill -9"]
+    job = trained.get("job", f"{RUN}-trainer", "-n", NS)["status"]
+    trainer.happened = (
+        f"killed while training step {trainer.observed.get('training_step')}; the Job replaced the pod "
+        f"(failed {job.get('failed')}, succeeded {job.get('succeeded')}), which resumed from the store and "
+        f"published {', '.join(store.published_versions())} once each"
+    )
+    kubelet = faults["kubelet restart"]
+    kubelet.happened = (
+        f"the kubelet renewed the node's Lease {kubelet.observed.get('lease_renewed_after_seconds')} s after "
+        f"the stop; trials in flight ended {kubelet.observed.get('in_flight_reasons')}"
+    )
+    fleet = faults["fleet pod restart"]
+    trainer_log = trainer_logs(trained)
+    caught_up = [line for line in trainer_log.splitlines() if "newest published version" in line]
+    figures = {f.step: f for f in store.step_figures()}
+    stale = figures[STEPS].dropped_stale if STEPS in figures else None
+    fleet.happened = (
+        f"the Deployment started a new pod from the checkpoint; the trainer gave it v{STEPS - 1} "
+        f"({len(caught_up)} catch-up(s) logged); trials in flight ended "
+        f"{fleet.observed.get('in_flight_reasons')}; step {STEPS} dropped {stale} stale trial(s)"
+    )
+    return FaultReport(faults, record, adopted, job, caught_up, batched)
+
+
+def test_the_run_survived_the_faults_and_lost_nothing(trained: TrainedRun) -> None:
+    """Each fault of tests/node_faults.py was injected at its moment; the run still succeeded (the first
+    test); counted from the run store, no acknowledged turn was lost, no trial counted twice, nothing of a
+    trial left; and the cluster and the store say what happened."""
+    from legorl.api.store import RunStore  # noqa: PLC0415
+
+    report = fault_report(trained)
+    faults, record, table = report.faults, report.deleted_record, report.table()
+    print(json.dumps(table, indent=1))
+    assert all(f.at is not None for f in faults.values()), [f.name for f in faults.values() if f.at is None]
+    assert all((f.lost, f.duplicated, f.orphaned) == (0, 0, 0) for f in faults.values()), table
+    assert record["termination_reason"] == "sandbox_error" and record["reward"] is None
+    assert record["num_turns"] >= faults["trial pod deleted"].observed["acknowledged_before"] > 0
+    assert faults["operator kill -9"].observed.get("operator_ready_again_seconds") is not None
+    assert report.adopted, "the restarted operator adopted no trial"
+    assert (report.job.get("failed"), report.job.get("succeeded")) == (1, 1)
+    published = RunStore(str(trained.store)).published_versions()
+    assert published == [f"v{step}" for step in range(1, STEPS + 1)]
+    assert report.caught_up, "the trainer never gave the new fleet pod the published version"
+    assert sorted(set(report.batched)) == sorted(report.batched)
