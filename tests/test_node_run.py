@@ -508,11 +508,19 @@ def fault_report(trained: TrainedRun) -> FaultReport:
     store = RunStore(str(trained.store))
     records = trained.records()
     batched = [t.trial for step in store.committed_steps() for t in store.read_batch(step).trials]
-    leftovers = [
-        i["metadata"]["name"]
-        for i in trained.get("pods,configmaps", "-n", NS)["items"]
-        if i["metadata"]["name"].startswith(f"{RUN}-s")
-    ]
+
+    def left() -> list[str]:
+        items = trained.get("pods,configmaps", "-n", NS)["items"]
+        return [i["metadata"]["name"] for i in items if i["metadata"]["name"].startswith(f"{RUN}-s")]
+
+    def settled() -> bool:  # the last trials' objects deleted, the trainer Job done, as the run ends
+        conditions = trained.get("job", f"{RUN}-trainer", "-n", NS)["status"].get("conditions") or []
+        done = any(c["type"] in ("Complete", "Failed") and c["status"] == "True" for c in conditions)
+        return done and not left()
+
+    with contextlib.suppress(AssertionError):  # what is left after two minutes is orphaned
+        trained.wait(settled, "the run's trial objects deleted and its trainer done", 120)
+    leftovers = left()
     faults = {f.name: f for f in trained.faults.account(records, leftovers, batched)}
     by_trial = {r["trial"]: r for r in records}
     k = trained.node.kubectl
