@@ -464,6 +464,14 @@ def test_the_watch_transcript_shows_the_run_and_its_pods(trained: TrainedRun) ->
         assert pod in pods, pod
 
 
+def _message(line: str) -> str:
+    """The message of one of the operator's JSON log lines (the line itself if it is not one)."""
+    try:
+        return str(json.loads(line)["message"])
+    except (ValueError, KeyError, TypeError):
+        return line
+
+
 def trainer_logs(trained: TrainedRun) -> str:
     """Every trainer pod's log (`kubectl logs job/...` shows one pod's; the replacement has the rest)."""
     names = [
@@ -534,12 +542,12 @@ def fault_report(trained: TrainedRun) -> FaultReport:
     )
     operator = faults["operator kill -9"]
     log = k("logs", "-n", RELEASE_NS, f"deployment/{FULLNAME}-operator", check=False).stdout
-    adopted = [line for line in log.splitlines() if "adopted" in line and "running trial" in line]
+    adopted = [_message(line) for line in log.splitlines() if "adopted" in line and "running trial" in line]
     operator.happened = (
         f"the kubelet restarted the container (Ready again after "
         f"{operator.observed.get('operator_ready_again_seconds')} s); the new operator adopted the trial "
-        f"pods in flight ({len(operator.in_flight)}), relaunching none: "
-        f"{adopted[-1:] or 'no adoption logged'}"
+        f"pods in flight ({len(operator.in_flight)} with an agent at work), relaunching none: "
+        f"{adopted[-1] if adopted else 'no adoption logged'}"
     )
     trainer = faults["trainer kill -9"]
     job = trained.get("job", f"{RUN}-trainer", "-n", NS)["status"]
