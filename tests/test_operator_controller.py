@@ -287,23 +287,7 @@ class Kubelet:
             self._harness(play, script)
             play.turns_done = True
         if not play.agent_done and not script.hold:
-            code = 0 if script.kind == "solve" else 1
-            status = self._running_status(play.ip)
-            status["containerStatuses"][0] = {
-                "name": "agent",
-                "image": IMAGE,
-                "ready": False,
-                "restartCount": 0,
-                "state": {
-                    "terminated": {
-                        "exitCode": code,
-                        "reason": "Completed" if code == 0 else "Error",
-                        "startedAt": stamp(-2),
-                        "finishedAt": stamp(),
-                    }
-                },
-            }
-            self._set(name, status)
+            self._set(name, self.agent_exited(play.ip, 0 if script.kind == "solve" else 1))
             play.agent_done = True
 
     def _start_pod(self, pod: dict[str, Any], trial: str) -> PodPlay:
@@ -420,6 +404,25 @@ class Kubelet:
             "restartCount": 0,
             "state": {"waiting": {"reason": reason}},
         }
+
+    def agent_exited(self, ip: str, code: int) -> dict[str, Any]:
+        """The pod's status once its agent container exited with CODE (just now, after 2 s of work)."""
+        status = self._running_status(ip)
+        status["containerStatuses"][0] = {
+            "name": "agent",
+            "image": IMAGE,
+            "ready": False,
+            "restartCount": 0,
+            "state": {
+                "terminated": {
+                    "exitCode": code,
+                    "reason": "Completed" if code == 0 else "Error",
+                    "startedAt": stamp(-2),
+                    "finishedAt": stamp(),
+                }
+            },
+        }
+        return status
 
     def _running_status(self, ip: str) -> dict[str, Any]:
         return {
@@ -815,17 +818,7 @@ def test_a_trial_pod_deleted_mid_agent_keeps_the_turns_its_proxy_acknowledged(cl
     # grace period keeps a pod); the kubelet stops the agent.
     mock.patch("v1", "pods", NS, name, {"metadata": {"finalizers": ["tests.legorl.dev/grace"]}})
     mock.delete("v1", "pods", NS, name)
-    status = kubelet._running_status(play.ip)
-    status["containerStatuses"][0] = {
-        "name": "agent",
-        "image": IMAGE,
-        "ready": False,
-        "restartCount": 0,
-        "state": {
-            "terminated": {"exitCode": 143, "reason": "Error", "startedAt": stamp(-2), "finishedAt": stamp()}
-        },
-    }
-    mock.set_status("v1", "pods", NS, name, status)
+    mock.set_status("v1", "pods", NS, name, kubelet.agent_exited(play.ip, 143))
 
     def recorded() -> Any:
         return next((r for r in store.saved_trials("train", 1) if r.trial == "s1-t0-r0"), None)

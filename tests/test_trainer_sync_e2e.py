@@ -47,6 +47,19 @@ def server(tiny: Path) -> Iterator[VllmServer]:
         yield running
 
 
+def trainer_settings(tmp_path: Path, tiny: Path, server: VllmServer, **given: Any) -> TrainerSettings:
+    """The trainer of these tests: the tiny model, its store under TMP_PATH, the one engine."""
+    return TrainerSettings(
+        run="e2e",
+        store_uri=str(tmp_path / "store"),
+        checkpoint_dir=tiny,
+        fleet_urls=(server.url,),
+        device="cpu",
+        learning_rate=3e-3,
+        **given,
+    )
+
+
 def rollouts(http: httpx.Client) -> list[TrialRecord]:
     from legorl.trainer.sampling import Sample, to_trial  # noqa: PLC0415
 
@@ -133,16 +146,7 @@ def test_one_step_then_sync_serves_the_new_policy(tiny: Path, server: VllmServer
         before_served = served_prompt_logprobs(http, FIXED)
         store = RunStore(str(tmp_path / "store"))
         store.commit_batch(1, trials, policy_version="v0")
-        settings = TrainerSettings(
-            run="e2e",
-            store_uri=str(tmp_path / "store"),
-            checkpoint_dir=tiny,
-            fleet_urls=(server.url,),
-            device="cpu",
-            learning_rate=3e-3,
-            routing_replay="Auto",
-            max_steps=1,
-        )
+        settings = trainer_settings(tmp_path, tiny, server, routing_replay="Auto", max_steps=1)
         service = TrainingService(settings, store=store)
         old = trainer_prompt_logprobs(service.trainer, FIXED)
         assert service.run(wait=False) == [1]
@@ -191,15 +195,7 @@ def test_restart_after_a_failed_sync_brings_the_fleet_up_to_date(
         # Step 2's batch is the same trials, one version stale: dropped in Sync mode, but v2 is still
         # published (a skipped update publishes the unchanged policy, so versions never stall).
         store.commit_batch(2, trials, policy_version="v1")
-    settings = TrainerSettings(
-        run="e2e",
-        store_uri=str(tmp_path / "store"),
-        checkpoint_dir=tiny,
-        fleet_urls=(server.url,),
-        device="cpu",
-        learning_rate=3e-3,
-        max_steps=2,
-    )
+    settings = trainer_settings(tmp_path, tiny, server, max_steps=2)
     real_sync = FleetWeightSync.sync
 
     def failing_v2(self: FleetWeightSync, published: PublishedWeights) -> object:
@@ -238,16 +234,7 @@ def test_a_replica_back_from_the_checkpoint_gets_the_newest_version_between_step
     store = RunStore(str(tmp_path / "store"))
     with httpx.Client(base_url=server.url, timeout=120) as http:
         store.commit_batch(1, rollouts(http), policy_version="v0")
-    settings = TrainerSettings(
-        run="e2e",
-        store_uri=str(tmp_path / "store"),
-        checkpoint_dir=tiny,
-        fleet_urls=(server.url,),
-        device="cpu",
-        learning_rate=3e-3,
-        max_steps=2,
-        fleet_check_seconds=0,
-    )
+    settings = trainer_settings(tmp_path, tiny, server, max_steps=2, fleet_check_seconds=0)
     service = TrainingService(settings, store=store)
     assert service.run(max_steps=1, wait=False) == [1]
 
