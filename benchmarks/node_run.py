@@ -9,10 +9,13 @@ every repeat) so that a drift of the machine falls on both. Per run it records:
 
 - `apply_to_first_agent_seconds`: from `kubectl apply` (the node) or the run's start (embedded) to the first
   trial's agent running (the trial's launch plus its setup stage);
-- `trial_start_seconds` p50 / p95 over the run's trials: a trial pod's `status.startTime` to its agent
+- `trial_start_seconds` p50 / p95 over the run's cold trials: a trial pod's `status.startTime` to its agent
   container running (init containers: tools, harness runtime, workspace setup, egress lock; then the proxy's
-  start), the embedded sandbox's setup stage for the baseline; the node has no warm pool to claim from
-  (SandboxPool warm sandboxes are image warmers today: nothing hands one to a trial): all cold starts;
+  start), the embedded sandbox's setup stage for the baseline;
+- `warm_claim_seconds` p50 / p95 over the trials launched by claiming a warm pod (`schedule.warmTrials`:
+  the node's run keeps the next 4 trials ready): from the operator's `launch` to the pod's proxy answering
+  that the agent has its `go` (`POST /claim`; the agent's `read` on the FIFO returns as the proxy writes);
+  a warm pod not ready at its launch counts as a cold start from its claim;
 - `trials_per_minute`: trials over the span from the first launch to the last trial's end;
 - `sync_seconds` per step: the trainer's weight sync into the running engine (Filesystem: publish, then
   vLLM's pause → update_weights → resume), from the trainer's step figures in the run store.
@@ -71,7 +74,8 @@ def figures(store: RunStore, records: list[dict[str, Any]], started: float) -> d
     """What one run measured, from its trial records and the trainer's step figures."""
     train = [r for r in records if r["split"] == "train"]
     stages = [{s["stage"]: s["seconds"] for s in r["stage_seconds"]} for r in train]
-    setup = [s["setup"] for s in stages if "setup" in s]
+    setup = [s["setup"] for s in stages if "setup" in s and "claim" not in s]
+    claims = [s["claim"] for s in stages if "claim" in s]
     agent_at = [_time(r["started_at"]) + s.get("setup", 0.0) for r, s in zip(train, stages, strict=True)]
     first = min(_time(r["started_at"]) for r in train)
     last = max(_time(r["ended_at"]) for r in train)
@@ -86,6 +90,15 @@ def figures(store: RunStore, records: list[dict[str, Any]], started: float) -> d
             "max": round(max(setup), 1),
             "n": len(setup),
         },
+        "warm_claim_seconds": {
+            "p50": round(statistics.median(claims), 4),
+            "p95": round(_quantile(claims, 0.95), 4),
+            "min": round(min(claims), 4),
+            "max": round(max(claims), 4),
+            "n": len(claims),
+        }
+        if claims
+        else None,
         "trials_per_minute": round(60.0 * len(train) / (last - first), 2),
         "sync_seconds": {f.step: round(f.sync_seconds, 2) for f in store.step_figures() if f.sync_seconds},
         "published": store.published_versions(),
@@ -210,8 +223,9 @@ def main() -> int:
         + (f" --repeats {args.repeats}" if args.repeats != 1 else ""),
         "commit": git_commit(),
         "machine": f"{os.cpu_count()} CPUs, {platform.machine()}",
-        "warm_pool": "not measured: a SandboxPool's warm sandboxes pre-pull and idle, nothing hands one to a "
-        "trial (no claim path), so every trial pod here is a cold start",
+        "warm_pool": "the node's run keeps its next 4 trials ready (schedule.warmTrials: 4); "
+        "warm_claim_seconds is launch -> the agent's go for those claimed ready, trial_start_seconds the "
+        "cold starts (and warm pods not ready at their launch, from the claim)",
         "runs": runs,
     }
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")

@@ -1502,6 +1502,13 @@ def run_operator(
             handle.error = e
         finally:
             ready_flag.set()
+            # As asyncio.run does: cancel what is still pending (a run controller's API call submitted
+            # from its thread as the operator stopped) and let it unwind, so its connection is closed
+            # here and not by the garbage collector in a later test (an unclosed-transport warning).
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()

@@ -100,6 +100,8 @@ class ScriptedBackend:
         self.released: list[str] = []
         """Trials `release`d, in order (each after its record was saved)."""
         self.on_launch: Callable[[TrialRequest], None] | None = None
+        self.prepared: list[list[str]] = []
+        """The trials named to each `prepare` call, in order."""
 
     def launch(self, request: TrialRequest) -> None:
         self.launched.append(request)
@@ -154,6 +156,9 @@ class ScriptedBackend:
 
     def prefetch(self, tasks: Sequence[Task]) -> None:
         pass
+
+    def prepare(self, requests: Sequence[TrialRequest]) -> None:
+        self.prepared.append([r.trial for r in requests])
 
     def cancel(self, trial: str) -> None:
         self.cancelled.append(trial)
@@ -418,6 +423,45 @@ def test_each_trial_is_released_only_once_its_record_is_saved(tmp_path: Path) ->
     backend.release = checked  # type: ignore[method-assign]
     assert ctl.run().reason == "MaxSteps"
     assert sorted(backend.released) == sorted(requests) and all(saved_at_release), saved_at_release
+
+
+def test_warm_trials_name_the_next_trials_and_the_next_steps_before_they_launch(tmp_path: Path) -> None:
+    """`schedule.warmTrials`: the backend is told which trials come next, in launch order, at most that
+    many, none already saved; the next step's trials are named while the trainer has yet to serve the
+    policy they wait for (in Sync mode its trials are launched only then)."""
+    run = make_run(schedule={"warmTrials": 4})
+    ctl, backend, trainer, store = controller(tmp_path, run)
+    named_at: dict[str, int] = {}  # trial -> the served step when it was first named
+    prepare = backend.prepare
+
+    def recorded(requests: Sequence[TrialRequest]) -> None:
+        prepare(requests)
+        for r in requests:
+            assert r.trial not in {t.trial for t in store.saved_trials(r.split, r.step)}, "a saved trial"
+            named_at.setdefault(r.trial, trainer.step)
+
+    backend.prepare = recorded  # type: ignore[method-assign]
+    launched_named: list[tuple[str, bool]] = []
+    backend.on_launch = lambda request: launched_named.append((request.trial, request.trial in named_at))
+    assert ctl.run().reason == "MaxSteps"
+    assert backend.prepared and all(len(names) <= 4 for names in backend.prepared)
+    assert backend.prepared[-1] == []  # at the end, nothing is kept ready
+    # Every trial of steps 2 and 3 was named before it launched, while the policy it waits for was not
+    # served yet.
+    later = [(t, named) for t, named in launched_named if t.startswith(("s2-", "s3-"))]
+    assert len(later) == 8 and all(named for _, named in later), launched_named
+    assert all(named_at[t] == int(t[1]) - 2 for t, _ in later), named_at
+    # Each call names trials in the order they launch.
+    order = {t: i for i, (t, _) in enumerate(launched_named)}
+    for names in backend.prepared:
+        launched = [order[t] for t in names if t in order]
+        assert launched == sorted(launched), (names, order)
+
+
+def test_no_warm_trials_no_prepare(tmp_path: Path) -> None:
+    ctl, backend, _, _ = controller(tmp_path, make_run())
+    assert ctl.run().reason == "MaxSteps"
+    assert backend.prepared == []
 
 
 def test_an_adopted_trial_saved_before_the_restart_keeps_its_record(tmp_path: Path) -> None:

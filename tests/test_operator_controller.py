@@ -49,6 +49,7 @@ from legorl.api.labels import (
     LOOKAHEAD_ANNOTATION,
     REQUEST_ANNOTATION,
     VALIDATE_ANNOTATION,
+    WARM_LABEL,
 )
 from legorl.api.store import RunStore
 from legorl.controller.backend import TrialRequest
@@ -57,12 +58,16 @@ from legorl.operator.handlers import build_registry
 from legorl.operator.main import make_reconciler
 from legorl.operator.observe import Observed
 from legorl.operator.render.common import RenderContext
+from legorl.operator.render.pool import GATE_SCRIPT
 from legorl.operator.render.tree import PLACEHOLDER_UID
 from legorl.operator.render.trial import (
+    CLAIMED_AT_ANNOTATION,
     COLLECT_GRACE_SECONDS,
     HOLD,
+    WARM_WAIT_SECONDS,
     FleetAccess,
     agent_task_row,
+    claim_patch,
     lookahead_value,
     trial_objects,
     verify_objects,
@@ -185,6 +190,9 @@ class PodPlay:
     proxy: contextlib.ExitStack
     agent_done: bool = False
     turns_done: bool = False
+    gate: threading.Event | None = None
+    """A warm pod's gate (its proxy has `--claim-fifo`): set once the agent read its `go` from the FIFO,
+    as the pod's `GATE_SCRIPT` would; the played agent works only then."""
 
 
 @dataclass
@@ -283,6 +291,8 @@ class Kubelet:
                 play.agent_done = True
                 return
             self._set(name, self._running_status(play.ip))
+        if play.gate is not None and not play.gate.is_set():
+            return  # the agent waits at the gate for the claim
         if not play.turns_done:
             self._harness(play, script)
             play.turns_done = True
@@ -308,9 +318,22 @@ class Kubelet:
             baseline=str(baseline),
             fsync=False,
         )
+        gated = any(a.startswith("--claim-fifo=") for a in args)
+        if gated:
+            settings = settings.model_copy(update={"claim_fifo": str(root / "claim-go")})
         stack = contextlib.ExitStack()
         stack.enter_context(serve_on(ProxyApp(settings), ip, self.port))
-        return PodPlay(ip, workspace, stack)
+        play = PodPlay(ip, workspace, stack)
+        if gated:  # the agent's `read -r go < FIFO`, on the FIFO the proxy made before it listened
+            gate = play.gate = threading.Event()
+
+            def wait_at_gate() -> None:
+                with (root / "claim-go").open() as fifo:
+                    if fifo.readline() == "go\n":
+                        gate.set()
+
+            threading.Thread(target=wait_at_gate, name=f"gate-{trial}", daemon=True).start()
+        return play
 
     def _harness(self, play: PodPlay, script: Script) -> None:
         """Two turns through the trial's proxy (the second extends the first), then the edit."""
@@ -832,6 +855,92 @@ def test_a_trial_pod_deleted_mid_agent_keeps_the_turns_its_proxy_acknowledged(cl
 
 
 @pytest.mark.slow
+def test_warm_trials_get_ready_while_the_step_before_trains_and_a_launch_claims_them(
+    cluster_factory: Any,
+) -> None:
+    """`schedule.warmTrials: 2`: step 2's pods are made while step 1 trains, every stage done but the
+    agent's, which waits at the gate (a real FIFO, a real proxy's `POST /claim`); they survive an operator
+    restart as warm pods, not running trials; once v1 is served the loop launches step 2 by claiming them:
+    the same pods, no new ones, the agent's clock started at the claim."""
+    scripts = {
+        "s1-t0-r0": Script("solve"),
+        "s1-t0-r1": Script("wrong"),
+        "s2-t0-r0": Script("solve", hold=True),
+        "s2-t0-r1": Script("wrong"),
+    }
+    cluster: Cluster = cluster_factory(scripts, spec={"schedule": {"warmTrials": 2}})
+    mock, kubelet, engine, store, wait = (
+        cluster.mock,
+        cluster.kubelet,
+        cluster.engine,
+        cluster.store,
+        cluster.wait,
+    )
+    wait(lambda: store.committed_steps() == [1], "step 1 committed", timeout=60)
+    warm = wait(
+        lambda: (
+            {n: p for n, p in pods_of(mock, "trial").items() if p["metadata"]["labels"].get(WARM_LABEL)}
+            if len(pods_of(mock, "trial")) == 2
+            else None
+        ),
+        "step 2's warm pods",
+    )
+    assert set(warm) == {f"{RUN}-s2-t0-r0", f"{RUN}-s2-t0-r1"}
+    for pod in warm.values():
+        assert pod["metadata"]["labels"][WARM_LABEL] == "waiting"
+        agent = pod["spec"]["containers"][0]
+        assert agent["command"][:4] == ["/bin/sh", "-c", GATE_SCRIPT, "legorl-gate"]
+        assert {"name": "claim", "mountPath": "/legorl-claim", "readOnly": True} in agent["volumeMounts"]
+        assert pod["spec"]["activeDeadlineSeconds"] > WARM_WAIT_SECONDS
+    uids = {n: p["metadata"]["uid"] for n, p in warm.items()}
+    # Ready, and waiting: the played agents have not worked (the gate is shut) and nothing served v1.
+    wait(lambda: all(n in kubelet.plays for n in warm), "the warm pods running")
+    time.sleep(1.0)
+    assert not any(kubelet.plays[n].turns_done for n in warm)
+    assert all(not kubelet.plays[n].gate.is_set() for n in warm)  # type: ignore[union-attr]
+
+    # An operator restart: the new one keeps them as warm pods (not running trials, not deleted).
+    cluster.stop_operator()
+    mock.reset_requests()
+    cluster.start_operator()
+    time.sleep(2.0)
+    assert {n: p["metadata"]["uid"] for n, p in pods_of(mock, "trial").items()} == uids
+    assert not any(kubelet.plays[n].turns_done for n in warm)
+
+    # The trainer (played) serves v1: the loop launches step 2 by claiming the two pods.
+    engine.version = "v1"
+    store.write_trainer_state({"policy_version": "v1", "step": 1})
+    wait(lambda: all(kubelet.plays[n].turns_done for n in warm), "the claimed agents at work")
+    claimed = pods_of(mock, "trial")
+    assert {n: p["metadata"]["uid"] for n, p in claimed.items()} == uids  # the same pods
+    for pod in claimed.values():
+        meta = pod["metadata"]
+        assert meta["labels"][WARM_LABEL] == "claimed" and meta["annotations"][CLAIMED_AT_ANNOTATION]
+        assert json.loads(meta["annotations"][REQUEST_ANNOTATION])["policyVersion"] == "v1"
+        assert pod["spec"]["activeDeadlineSeconds"] < WARM_WAIT_SECONDS  # the claim lowered it
+    kubelet.release("s2-t0-r0")
+    wait(lambda: store.committed_steps() == [1, 2], "step 2 committed", timeout=60)
+    writes = [p for verb, p, _ in mock.request_log() if verb == "POST" and p.rstrip("/").endswith("/pods")]
+    assert writes == [], f"pods were created after the restart: {writes}"
+    step2 = {r.trial: r for r in store.read_batch(2).trials}
+    assert (step2["s2-t0-r0"].termination_reason.value, step2["s2-t0-r0"].reward) == ("completed", 1.0)
+    assert (step2["s2-t0-r1"].termination_reason.value, step2["s2-t0-r1"].reward) == ("agent_error", 0.0)
+    for record in step2.values():
+        assert record.policy_versions == ["v1"] and record.num_turns == 2
+        # Launch -> the proxy's answer that the agent has its `go` (a played pod's proxy on loopback).
+        assert 0 < record.stage_seconds["claim"] < 5, record.stage_seconds
+        # The agent's clock starts at the claim, not at the pod's start long before.
+        assert record.stage_seconds["agent"] < 30 and record.stage_seconds.get("setup", 0.0) == 0.0
+    step1 = {r.trial: r for r in store.read_batch(1).trials}
+    assert all("claim" not in r.stage_seconds for r in step1.values())  # launched cold
+
+    engine.version = "v2"
+    store.write_trainer_state({"policy_version": "v2", "step": 2})
+    wait(lambda: condition(mock, "Succeeded")["status"] == "True", "Succeeded=True")
+    wait(lambda: not pods_of(mock, "trial") and not trial_config_maps(mock), "cleanup")
+
+
+@pytest.mark.slow
 def test_fidelity_guard_suspends_the_run_and_a_resume_goes_on(cluster_factory: Any) -> None:
     scripts = {
         "s1-t0-r0": Script("solve"),
@@ -1074,6 +1183,72 @@ def test_trial_objects_are_valid_children_of_the_run_and_hide_the_answers() -> N
         and volumes["changes"] == changes_cm["metadata"]["name"]
     )
     assert json.loads(verify["metadata"]["annotations"][AGENT_OUTCOME_ANNOTATION]) == {"reason": "completed"}
+
+
+def test_a_warm_trial_pod_is_valid_gated_and_its_claim_restores_the_deadline() -> None:
+    run, pool, request = _example()
+    cold = trial_objects(run, pool, request, FLEET, RenderContext())[1]
+    _, pod = trial_objects(run, pool, request, FLEET, RenderContext(), warm=True)
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    assert pod["metadata"]["labels"][WARM_LABEL] == "waiting" and WARM_LABEL not in cold["metadata"]["labels"]
+    agent, proxy = pod["spec"]["containers"][0], pod["spec"]["initContainers"][-1]
+    # The agent runs its usual command behind the gate; only the proxy may write the gate's FIFO.
+    assert agent["command"] == [
+        "/bin/sh",
+        "-c",
+        GATE_SCRIPT,
+        "legorl-gate",
+        *cold["spec"]["containers"][0]["command"],
+    ]
+    assert {"name": "claim", "mountPath": "/legorl-claim", "readOnly": True} in agent["volumeMounts"]
+    assert {"name": "claim", "mountPath": "/legorl-claim"} in proxy["volumeMounts"]
+    assert "--claim-fifo=/legorl-claim/go" in proxy["args"]
+    assert not any(a.startswith("--claim-fifo") for a in cold["spec"]["initContainers"][-1]["args"])
+
+    # Everything else is the cold pod's.
+    def rest(body: dict[str, Any]) -> dict[str, Any]:
+        skip = ("containers", "initContainers", "volumes", "activeDeadlineSeconds")
+        return {k: v for k, v in body["spec"].items() if k not in skip}
+
+    assert rest(pod) == rest(cold)
+    assert pod["spec"]["activeDeadlineSeconds"] == cold["spec"]["activeDeadlineSeconds"] + WARM_WAIT_SECONDS
+    claimed_at = datetime(2026, 12, 1, 12, 0, 0, 250000, tzinfo=UTC)
+    later = dataclasses.replace(request, policy_version="v7")
+    patch = claim_patch(pool, later, 3600.4, claimed_at)
+    assert patch["metadata"]["labels"] == {WARM_LABEL: "claimed"}
+    assert json.loads(patch["metadata"]["annotations"][REQUEST_ANNOTATION])["policyVersion"] == "v7"
+    assert patch["metadata"]["annotations"][CLAIMED_AT_ANNOTATION] == "2026-12-01T12:00:00.250000Z"
+    # The backstop counts from the claim again (a pod's deadline may only go down: it does).
+    assert patch["spec"]["activeDeadlineSeconds"] == 3601 + cold["spec"]["activeDeadlineSeconds"]
+    assert patch["spec"]["activeDeadlineSeconds"] < pod["spec"]["activeDeadlineSeconds"]
+
+
+def test_a_warm_pods_agent_clock_starts_at_the_claim() -> None:
+    """The agent container of a warm pod started an hour before its claim: neither the deadline nor the
+    agent's seconds count that hour."""
+    pod = _pod(mains=[_c("agent", running={"startedAt": "2026-12-01T11:00:05Z"})])
+    claimed = datetime(2026, 12, 1, 11, 59, 0, tzinfo=UTC)
+    kwargs: dict[str, Any] = {"setup_seconds": 60, "agent_seconds": 120, "launched": claimed}
+    assert agent_end(pod, now=NOW, claimed=claimed, **kwargs) is None  # 60 s after the claim: running
+    late = agent_end(pod, now=claimed + timedelta(seconds=181), claimed=claimed, **kwargs)
+    assert late is not None and late.reason == "agent_timeout"
+    assert late.stage_seconds == {"setup": 0.0, "agent": 181.0}
+    cold = agent_end(pod, now=NOW, **kwargs)  # the same pod read as a cold one: long past its deadline
+    assert cold is not None and cold.reason == "agent_timeout"
+    done = _pod(
+        mains=[
+            _c(
+                "agent",
+                terminated={
+                    "exitCode": 0,
+                    "startedAt": "2026-12-01T11:00:05Z",
+                    "finishedAt": "2026-12-01T11:59:30Z",
+                },
+            )
+        ]
+    )
+    end = agent_end(done, now=NOW, claimed=claimed, **kwargs)
+    assert end is not None and end.reason == "completed" and end.stage_seconds["agent"] == 30.0
 
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)

@@ -38,6 +38,9 @@ REPLICA_LABEL: Final = f"{PREFIX}replica"
 """The index of a fleet's engine replica (a group of pods for a multi-node replica)."""
 LEASED_LABEL: Final = f"{PREFIX}leased"
 """`true` on a warm sandbox pod a trial has taken."""
+WARM_LABEL: Final = f"{PREFIX}warm"
+"""On a trial pod made ready ahead (`spec.schedule.warmTrials`): `waiting` while its agent waits at the
+gate, `claimed` once its trial was launched and the gate opened."""
 
 # -- annotations -------------------------------------------------------------------------------------
 

@@ -290,6 +290,13 @@ class Schedule(ApiModel):
     """Async only: drop trajectories more than this many policy versions old (default 1)."""
     max_concurrent_trials: Annotated[int, Field(ge=1, le=100_000)] = 32
     """Trials running at once."""
+    warm_trials: Annotated[int, Field(ge=0, le=100_000)] = 0
+    """Trials made ready ahead on a cluster: the pods of the next trials in line (the next step's too,
+    while this one runs and trains) are created with every stage done but the agent's, which waits at
+    a gate; launching such a trial claims its pod (the operator tells the pod's proxy to open the
+    gate: milliseconds) instead of starting one (seconds: images, init stages, the proxy). Each holds
+    its pod, and its resource requests, while it waits. 0: every trial pod starts when its trial is
+    launched. The embedded default has no pods to warm and ignores it."""
 
 
 def _default_drop() -> list[TerminationReason]:

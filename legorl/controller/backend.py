@@ -81,6 +81,12 @@ class TrialBackend(Protocol):
     def prefetch(self, tasks: Sequence[Task]) -> None:
         """The next tasks to run, in order: a hint to pre-pull their images (SandboxPool lookahead)."""
 
+    def prepare(self, requests: Sequence[TrialRequest]) -> None:
+        """The trials the controller will launch next, in order (at most `spec.schedule.warmTrials` of
+        them): a backend may make them ready ahead (warm trial pods), so that launching one only claims
+        what is ready, and lets go of those it made for trials no longer named. A hint: `launch` works
+        for any trial, prepared or not, and a backend may ignore it."""
+
     def cancel(self, trial: str) -> None:
         """Stop a running trial; `collect` returns it as `cancelled`."""
 

@@ -188,6 +188,7 @@ class RunController:
         schedule = self.spec.schedule
         self.max_concurrent = schedule.max_concurrent_trials
         self.lookahead = 0 if schedule.mode == "Sync" else (schedule.max_staleness_steps or 1)
+        self.warm_trials = schedule.warm_trials
         limit = self.spec.stop.max_steps
         self.last_step = self.plan.available_steps
         self._end_reason = (
@@ -214,6 +215,10 @@ class RunController:
         self._published_at = -math.inf
         self._guard_paused = False
         self._guard_newest = 0
+        self._upcoming: tuple[int, list[TrialRequest]] | None = None
+        """The first step not planned yet and its trials not saved (what warm trials are made for)."""
+        self._prepared: list[str] = []
+        """The trials last named to `backend.prepare`."""
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -275,6 +280,7 @@ class RunController:
                 self._cancel_all()
                 return outcome
             self._launch()
+            self._prepare(served, committed)
             if self._collect(served) or self.clock() - self._published_at >= 5.0:
                 self._publish()
 
@@ -317,6 +323,8 @@ class RunController:
                 state.records[record.trial] = record
                 self._count(record)
         self._steps[step] = state
+        if self._upcoming is not None and self._upcoming[0] <= step:
+            self._upcoming = None  # planned now: its trials are queued, and saved as they end
         missing = [r for t, r in requests.items() if t not in state.records and t not in self._in_flight]
         self._queue.extend(missing)
         self.backend.prefetch([r.task for r in self._queue[: self.max_concurrent * 2]])
@@ -359,6 +367,28 @@ class RunController:
             self.backend.launch(request)
             self._in_flight[request.trial] = request
         self.progress.trials_running = len(self._in_flight)
+
+    def _prepare(self, served: int, committed: int) -> None:
+        """Name the next `warmTrials` trials to the backend to make ready: those queued, then the trials of
+        the first step not planned yet (in Sync mode, planned only once the trainer serves the policy
+        before it: its pods get ready while this step's trials run and the trainer trains)."""
+        if self.warm_trials <= 0:
+            return
+        wanted = self._queue[: self.warm_trials]
+        upcoming = max([committed, *self._steps]) + 1
+        while len(wanted) < self.warm_trials and upcoming <= self.last_step:
+            if self._upcoming is None or self._upcoming[0] != upcoming:
+                saved = {r.trial for r in self.store.saved_trials("train", upcoming)}
+                requests = self.plan.step_requests(upcoming, policy_version(served))
+                self._upcoming = (upcoming, [r for r in requests if r.trial not in saved])
+            if self._upcoming[1]:
+                wanted = wanted + self._upcoming[1][: self.warm_trials - len(wanted)]
+                break
+            upcoming += 1  # all saved (a step committed since `committed` was read): the one after
+        names = [r.trial for r in wanted]
+        if names != self._prepared:
+            self.backend.prepare(wanted)
+            self._prepared = names
 
     def _collect(self, served: int) -> int:
         timeout = self.poll_seconds if self._in_flight else 0.0

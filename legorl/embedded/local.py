@@ -179,6 +179,9 @@ class LocalTrialBackend:
     def prefetch(self, tasks: Sequence[Task]) -> None:
         pass  # the task repositories are local bundles: nothing to pull
 
+    def prepare(self, requests: Sequence[TrialRequest]) -> None:
+        pass  # a local sandbox starts in well under a second: nothing is worth keeping warm
+
     def cancel(self, trial: str) -> None:
         with self.lock:
             self.cancelled.add(trial)

@@ -63,6 +63,8 @@ class ProxyTrial:
     """The run store (`LEGORL_STORE_URI` in the proxy's environment)."""
     drain_seconds: int = 0
     """After SIGTERM, serve the journal until the controller has read it, at most this long (a pod)."""
+    claim_fifo: str | None = None
+    """A warm trial pod: the FIFO its agent waits at until the operator claims the pod (`POST /claim`)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ def proxy_command(run: RLRun | ProxyRun, trial: ProxyTrial) -> ProxyCommand:
         *([f"--top-p={spec.top_p}"] if spec.top_p is not None else []),
         *(["--capture-routed-experts"] if trial.capture_routed_experts else []),
         *([f"--drain-seconds={trial.drain_seconds}"] if trial.drain_seconds else []),
+        *([f"--claim-fifo={trial.claim_fifo}"] if trial.claim_fifo else []),
     ]
     env = {"LEGORL_STORE_URI": trial.store_uri} if trial.store_uri else {}
     return ProxyCommand(args=args, env=env)

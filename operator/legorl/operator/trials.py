@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import threading
@@ -58,6 +59,7 @@ from legorl.api.labels import (
     REQUEST_ANNOTATION,
     RUN_LABEL,
     TRIAL_LABEL,
+    WARM_LABEL,
 )
 from legorl.api.summary import TrajectorySummary
 from legorl.api.termination import TerminationReason
@@ -70,8 +72,10 @@ from legorl.operator.kube import ApiError, KubeClient
 from legorl.operator.render.common import RenderContext, label_value
 from legorl.operator.render.pool import PROXY_PORT, TRIAL, VERIFY
 from legorl.operator.render.trial import (
+    CLAIMED_AT_ANNOTATION,
     FleetAccess,
     TrialNames,
+    claim_patch,
     lookahead_value,
     trial_objects,
     verify_objects,
@@ -258,6 +262,22 @@ class _Trial:
     cancel: bool = False
     proxy_problem: str | None = None
     """Why the trajectory could not be read from the trial's proxy, once that failed."""
+    warm: bool = False
+    """Its pod was made ready ahead (`prepare`): launching it claims the pod."""
+    claimed: datetime | None = None
+    """When the warm pod's proxy took the claim (the agent's clock starts then)."""
+    claim_seconds: float | None = None
+    """From `launch` to the proxy's answer that the agent has its `go`."""
+    recreate: bool = False
+    """Its warm pod died before the claim: the trial starts cold once that pod is gone."""
+
+
+@dataclass
+class _Warm:
+    """A trial pod made ready ahead, not claimed yet."""
+
+    request: TrialRequest
+    names: TrialNames
 
 
 class KubeTrialBackend:
@@ -295,6 +315,8 @@ class KubeTrialBackend:
         self._returned: dict[str, TrialNames] = {}
         """Trials `collect` returned whose objects wait for `release` (the record is not saved yet)."""
         self._ready: list[TrialRecord] = []
+        self._warm: dict[str, _Warm] = {}
+        """Trial pods made ready ahead (`prepare`), by trial, not launched yet."""
         self._detached = False
         self._http = httpx.Client(timeout=httpx.Timeout(self.settings.proxy_timeout_seconds, connect=5.0))
 
@@ -305,6 +327,16 @@ class KubeTrialBackend:
             return
         now = self.clock()
         trial = _Trial(request, TrialNames.of(self.run.metadata.name, request.trial), now, time.monotonic())
+        if self._warm.pop(request.trial, None) is not None:
+            trial.warm = True
+            pod = self.pods.get(self.namespace, trial.names.pod)
+            if pod is not None and _dead(pod):
+                self._recreate(trial)
+            else:
+                trial.seen = pod is not None
+                self._claim(trial, pod)
+            self._trials[request.trial] = trial
+            return
         if request.task.image is None:
             self._ready.append(
                 self._record(trial, "sandbox_error", f"task {request.task.instance_id} names no image")
@@ -367,8 +399,14 @@ class KubeTrialBackend:
                 )
                 self._delete_all(names)
                 continue
+            if labels_of(pod).get(WARM_LABEL) == "waiting" and verifier is None:
+                self._warm[trial_id] = _Warm(request, names)  # made ready ahead, not launched yet
+                continue
             launched = parse_time(pod["metadata"].get("creationTimestamp")) or self.clock()
             trial = _Trial(request, names, launched, time.monotonic(), seen=True)
+            if labels_of(pod).get(WARM_LABEL) == "claimed":
+                claimed = (pod["metadata"].get("annotations") or {}).get(CLAIMED_AT_ANNOTATION)
+                trial.warm, trial.claimed = True, parse_time(claimed) or self.clock()
             if verifier is not None:
                 trial.stage = "verify"
                 trial.agent = self._agent_of(verifier)
@@ -377,6 +415,38 @@ class KubeTrialBackend:
         if adopted:
             log.info("run %s: adopted %d running trial(s)", self.run.metadata.name, len(adopted))
         return adopted
+
+    def prepare(self, requests: Sequence[TrialRequest]) -> None:
+        """Make the next trials' pods ready ahead: every stage done but the agent's, which waits at the
+        gate (`render.pool.GATE_SCRIPT`) until `launch` claims the pod. Pods made for trials no longer
+        named, or that died waiting, are deleted (and made again while named)."""
+        if self._detached:
+            return
+        named = {
+            r.trial: r for r in requests if r.trial not in self._trials and r.trial not in self._returned
+        }
+        for trial_id, warm in list(self._warm.items()):
+            pod = self.pods.get(self.namespace, warm.names.pod)
+            if trial_id not in named or (pod is not None and _dead(pod)):
+                why = "it died waiting" if trial_id in named else "its trial is no longer next"
+                log.info("deleting the warm pod of trial %s: %s", trial_id, why)
+                del self._warm[trial_id]
+                self._delete_all(warm.names)
+        for trial_id, request in named.items():
+            if trial_id in self._warm or request.task.image is None:
+                continue
+            names = TrialNames.of(self.run.metadata.name, trial_id)
+            if self.pods.get(self.namespace, names.pod) is not None:
+                continue  # the old pod is still going away: made on a later call
+            try:
+                for obj in trial_objects(self.run, self.pool, request, self.fleet, self.ctx, warm=True):
+                    self.api.apply(obj)
+            except ApiError as exc:  # a hint: the trial starts cold when it is launched
+                log.warning("could not make trial %s ready ahead: %s", trial_id, exc)
+                self._delete_all(names)
+                continue
+            self._warm[trial_id] = _Warm(request, names)
+            log.info("made trial %s ready ahead (a warm pod)", trial_id)
 
     def prefetch(self, tasks: Sequence[Task]) -> None:
         """Feeds the pool's pre-pull lookahead (`legorl.dev/lookahead-images`, read fresh: a shared pool
@@ -421,10 +491,11 @@ class KubeTrialBackend:
         if not self._detached:
             for trial in list(self._trials.values()):
                 self._cleanup(trial)
-            for names in self._returned.values():
+            for names in [*self._returned.values(), *(w.names for w in self._warm.values())]:
                 self._delete_all(names)
             self._trials.clear()
             self._returned.clear()
+            self._warm.clear()
         self._http.close()
 
     # -- beyond the protocol -----------------------------------------------------------------------------
@@ -465,11 +536,17 @@ class KubeTrialBackend:
         return fetched
 
     def _advance_agent(self, trial: _Trial) -> TrialRecord | None:
+        if trial.recreate:
+            if self.pods.get(self.namespace, trial.names.pod) is not None:
+                return None  # the dead warm pod is still going away
+            return self._start_cold(trial)
         pod = self._observed(trial, trial.names.pod)
         if pod is None:
             return None
         if pod is False:
             return self._finish(trial, "sandbox_error", "the trial pod is gone (evicted or deleted)")
+        if trial.warm and trial.claimed is None and not _dead(pod):
+            self._claim(trial, pod)
         deadlines = self.pool.spec.deadlines
         end = agent_end(
             pod,
@@ -477,9 +554,13 @@ class KubeTrialBackend:
             setup_seconds=deadlines.setup_seconds,
             agent_seconds=deadlines.agent_seconds,
             launched=trial.launched,
+            # A warm pod's stages were done ahead: its trial's clock starts at the claim.
+            claimed=(trial.claimed or trial.launched) if trial.warm else None,
         )
         if end is None:
             return None
+        if trial.claim_seconds is not None:
+            end = dataclasses.replace(end, stage_seconds={**end.stage_seconds, "claim": trial.claim_seconds})
         if not end.collect:
             trajectory = self._salvage(trial, pod, end) if end.salvage else None
             return self._finish(
@@ -632,6 +713,57 @@ class KubeTrialBackend:
                 error=f"{detail or ''}; the proxy's trajectory is unusable: {exc}".lstrip("; "),
             )
 
+    # -- warm trial pods ----------------------------------------------------------------------------------
+
+    def _claim(self, trial: _Trial, pod: Mapping[str, Any] | None) -> None:
+        """Tell a warm pod's proxy to open the agent's gate (`POST /claim`), then mark the pod claimed by
+        this launch. A proxy not up yet is asked again on the next pass (`_advance_agent`)."""
+        ip = ((pod or {}).get("status") or {}).get("podIP")
+        if not ip:
+            return
+        host = f"[{ip}]" if ":" in ip else ip
+        try:
+            answer = self._http.post(
+                f"http://{host}:{self.settings.proxy_port}/claim", timeout=httpx.Timeout(5.0, connect=1.0)
+            )
+        except httpx.HTTPError as exc:
+            log.debug("trial %s: its warm pod's proxy is not up yet: %s", trial.request.trial, exc)
+            return
+        if answer.status_code not in (200, 202):
+            log.warning(
+                "trial %s: the claim was refused: %d %s",
+                trial.request.trial,
+                answer.status_code,
+                answer.text[:200],
+            )
+            return
+        trial.claimed = self.clock()
+        if answer.status_code == 200:
+            trial.claim_seconds = time.monotonic() - trial.created
+        started = parse_time(((pod or {}).get("status") or {}).get("startTime")) or trial.claimed
+        patch = claim_patch(
+            self.pool, trial.request, (trial.claimed - started).total_seconds(), trial.claimed
+        )
+        try:
+            self.api.merge_patch("Pod", self.namespace, trial.names.pod, patch)
+        except ApiError as exc:  # the gate is open: the trial runs; a restarted operator re-claims it
+            log.warning("trial %s: could not mark its pod claimed: %s", trial.request.trial, exc)
+
+    def _recreate(self, trial: _Trial) -> None:
+        """The warm pod died before its claim: delete it; the trial starts cold once it is gone."""
+        log.info("trial %s: its warm pod died before the claim; starting it cold", trial.request.trial)
+        trial.warm, trial.recreate = False, True
+        self._delete_all(trial.names)
+
+    def _start_cold(self, trial: _Trial) -> TrialRecord | None:
+        trial.recreate, trial.seen, trial.created = False, False, time.monotonic()
+        try:
+            for obj in trial_objects(self.run, self.pool, trial.request, self.fleet, self.ctx):
+                self.api.apply(obj)
+        except ApiError as exc:
+            return self._finish(trial, "sandbox_error", f"the API server refused the trial: {exc}")
+        return None
+
     # -- the proxy ------------------------------------------------------------------------------------------
 
     def _client(self, pod: Mapping[str, Any]) -> ProxyClient:
@@ -726,3 +858,17 @@ class KubeTrialBackend:
                 self.api.delete(kind, self.namespace, name)
             except ApiError as exc:  # the run's owner reference removes it with the run
                 log.warning("could not delete %s %s: %s", kind, name, exc)
+
+
+def _dead(pod: Mapping[str, Any]) -> bool:
+    """A pod that ended or is being deleted."""
+    status = pod.get("status") or {}
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp")) or status.get("phase") in (
+        "Failed",
+        "Succeeded",
+    )
+
+
+def labels_of(pod: Mapping[str, Any]) -> dict[str, str]:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return dict(labels)

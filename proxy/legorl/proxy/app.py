@@ -56,6 +56,7 @@ from legorl.proxy.formats.common import (
     completion_from_response,
     events_from_completion,
 )
+from legorl.proxy.gate import ClaimGate
 from legorl.proxy.journal import turn_to_record
 from legorl.proxy.metrics import Metrics
 from legorl.proxy.settings import ProxySettings
@@ -207,6 +208,7 @@ class ProxyApp:
         self.collected = False
         """The trajectory was read since the trial ended: what the journal holds has been recorded."""
         self.upstream: Upstream | None = None
+        self.gate = ClaimGate(Path(settings.claim_fifo)) if settings.claim_fifo else None
         self._admission: asyncio.Semaphore | None = None
         self._startup_lock: asyncio.Lock | None = None
         self.expected_format = _SETTING_FORMAT.get(settings.api_format or "")
@@ -224,6 +226,7 @@ class ProxyApp:
                 Route("/turns", self._turns),
                 Route("/changes", self._changes),
                 Route("/finish", self._finish, methods=["POST"]),
+                Route("/claim", self._claim, methods=["GET", "POST"]),
                 Route("/", self._probe, methods=["HEAD"]),
             ],
             # A trailing slash is served, not redirected (`__call__` strips it).
@@ -237,6 +240,8 @@ class ProxyApp:
         """Open the journal (recovering it) and the engine client; idempotent."""
         if self.trial is not None:
             return
+        if self.gate is not None:
+            self.gate.make()  # before the server listens: the agent starts once the proxy does
         self.trial = await asyncio.to_thread(Trial, self.settings, self.metrics)
         self.upstream = Upstream(self.settings, self.metrics)
         if self.settings.admission_max_sessions:
@@ -632,6 +637,15 @@ class ProxyApp:
         except (OSError, ValueError, KeyError) as exc:
             raise ProxyError("proxy_error", f"could not read the workspace's changes: {exc}") from exc
         return _Json(result)
+
+    async def _claim(self, request: Request) -> Response:
+        """A warm trial pod's gate: `GET` its state, `POST` open it (idempotent). 200 once the agent has
+        its `go`; 202 while the agent is not waiting yet (it gets the line when it comes)."""
+        if self.gate is None:
+            raise ProxyError("not_found", "this proxy has no --claim-fifo: its pod is not a warm one")
+        state = self.gate.claim() if request.method == "POST" else self.gate.state
+        body = {"state": state, "claimedAt": self.gate.claimed_at, "releasedAt": self.gate.released_at}
+        return _Json(body, 202 if state == "pending" else 200)
 
     async def _finish(self, request: Request) -> Response:
         assert self.trial is not None

@@ -101,6 +101,10 @@ class ProxySettings(BaseModel):
     keeps its journal that long (within the pod's grace period), so the controller still records the
     acknowledged turns. 0: stop at once."""
 
+    claim_fifo: str | None = None
+    """A trial pod made ready ahead: the FIFO its agent waits at (made at start, 0644); `POST /claim`
+    writes the agent its `go` (`legorl.proxy.gate`). Unset: no gate, `/claim` is 404."""
+
     admission_kv_usage: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     """Session admission under KV pressure: the trial's first call waits while the engine's KV
     cache usage (vLLM's `vllm:kv_cache_usage_perc` at `/metrics`) is at or above this share, so

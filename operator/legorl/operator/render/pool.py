@@ -62,6 +62,18 @@ BASELINE = f"{BASELINE_DIR}/baseline.json"
 PROXY_WORKSPACE = "/workspace"
 """Where the proxy sees the agent's workspace, read-only, to serve `GET /changes`."""
 CHANGES_DIR = "/legorl-changes"
+CLAIM_DIR = "/legorl-claim"
+"""A warm trial pod's gate: the proxy mounts it read-write and makes the FIFO there, the agent read-only."""
+CLAIM_FIFO = f"{CLAIM_DIR}/go"
+GATE_SCRIPT = (
+    f'gate={CLAIM_FIFO}; while [ ! -p "$gate" ]; do sleep 1; done; '
+    'IFS= read -r go < "$gate" || go=; '
+    '[ "$go" = go ] || { echo "legorl: the warm trial pod\'s gate closed without a claim" >&2; exit 125; }; '
+    'exec "$@"'
+)
+"""A warm trial pod's agent container runs `/bin/sh -c GATE_SCRIPT legorl-gate <the agent's command>`:
+it waits in `read` on the proxy's FIFO (no poll: opening a FIFO blocks until its writer comes) and, on
+the proxy's `go` (the operator claimed the pod: `legorl.proxy.gate`), becomes the agent's command."""
 PULL_COMMAND = ["/bin/sh", "-c", "exit 0"]
 """What a pre-pull init container runs: nothing; the kubelet pulled the image to start it.
 Task images must carry /bin/sh (every SWE-bench-style image does)."""
@@ -186,6 +198,8 @@ class TrialContext:
     task_config_map: str | None = None
     """ConfigMap with the task's `task.json` and `problem.md` (the run controller creates it);
     setup then knows the hidden tests to remove, and the agent reads `problem.md`."""
+    warm: bool = False
+    """Made ready ahead: the agent waits at the gate until the operator claims the pod."""
 
 
 def harness_image(harness: Harness, ctx: RenderContext) -> str:
@@ -219,6 +233,7 @@ def _proxy_sidecar(trial: TrialContext, ctx: RenderContext) -> dict[str, Any]:
             baseline=BASELINE,
             store_uri=trial.store_uri or None,
             drain_seconds=PROXY_DRAIN_SECONDS,
+            claim_fifo=CLAIM_FIFO if trial.warm else None,
         ),
     )
     return {
@@ -243,6 +258,7 @@ def _proxy_sidecar(trial: TrialContext, ctx: RenderContext) -> dict[str, Any]:
             {"name": "journal", "mountPath": "/journal"},
             {"name": "workspace", "mountPath": PROXY_WORKSPACE, "readOnly": True},
             {"name": "baseline", "mountPath": BASELINE_DIR, "readOnly": True},
+            *([{"name": "claim", "mountPath": CLAIM_DIR}] if trial.warm else []),
         ],
     }
 
@@ -331,10 +347,13 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
             }
         )
     init_containers.append(_proxy_sidecar(trial, ctx))
+    command = harness.command or [f"{HARNESS_DIR}/bin/legorl-harness", harness.kind]
+    if trial.warm:
+        command = ["/bin/sh", "-c", GATE_SCRIPT, "legorl-gate", *command]
     agent: dict[str, Any] = {
         "name": "agent",
         "image": trial.task_image,
-        "command": harness.command or [f"{HARNESS_DIR}/bin/legorl-harness", harness.kind],
+        "command": command,
         "workingDir": workspace,
         "env": env_list(harness.env, base_env),
         "resources": resources(spec.resources),
@@ -345,6 +364,7 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "home", "mountPath": "/home/agent"},
             *_task_mount(trial),
+            *([{"name": "claim", "mountPath": CLAIM_DIR, "readOnly": True}] if trial.warm else []),
         ],
     }
     if harness.config_map_ref is not None:
@@ -360,6 +380,7 @@ def trial_pod(pool: SandboxPool, trial: TrialContext, ctx: RenderContext) -> dic
         {"name": "journal", "emptyDir": {"sizeLimit": "1Gi"}},
         {"name": "baseline", "emptyDir": {"sizeLimit": "256Mi"}},
         *_task_volume(trial),
+        *([{"name": "claim", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}] if trial.warm else []),
     ]
     if harness.config_map_ref is not None:
         volumes.append({"name": "harness-config", "configMap": {"name": harness.config_map_ref.name}})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from legorl.api.kinds import RLRun, SandboxPool
@@ -25,7 +26,9 @@ from legorl.api.labels import (
     SPLIT_LABEL,
     STEP_LABEL,
     TRIAL_LABEL,
+    WARM_LABEL,
 )
+from legorl.api.timestamps import format_time
 from legorl.controller.backend import TrialRequest
 from legorl.operator.render.common import (
     MANAGED_BY,
@@ -41,6 +44,11 @@ from legorl.sandbox.task import Task, patch_files
 HOLD = "hold"
 COLLECT_GRACE_SECONDS = 300
 """Added to the trial pod's backstop deadline: time for the operator to collect and verify."""
+CLAIMED_AT_ANNOTATION = "legorl.dev/claimed-at"
+"""On a claimed warm trial pod: when its trial was launched (a restarted operator's agent clock)."""
+WARM_WAIT_SECONDS = 6 * 3600
+"""How long a warm trial pod may wait for its claim (added to its backstop deadline, which the claim
+lowers again: a pod's `activeDeadlineSeconds` may only go down)."""
 MAX_LOOKAHEAD_IMAGES = 512
 """Images named in a pool's lookahead annotation at most (annotations share a 256 KiB budget)."""
 
@@ -166,7 +174,9 @@ def _config_map(
     return _stamp(body, run, request)
 
 
-def trial_context(run: RLRun, request: TrialRequest, fleet: FleetAccess) -> TrialContext:
+def trial_context(
+    run: RLRun, request: TrialRequest, fleet: FleetAccess, *, warm: bool = False
+) -> TrialContext:
     assert request.task.image is not None
     sampling = run.spec.algorithm.sampling
     return TrialContext(
@@ -181,13 +191,29 @@ def trial_context(run: RLRun, request: TrialRequest, fleet: FleetAccess) -> Tria
         top_p=sampling.top_p,
         capture_routed_experts=fleet.capture_routed_experts,
         task_config_map=TrialNames.of(run.metadata.name, request.trial).task,
+        warm=warm,
+    )
+
+
+def backstop_seconds(pool: SandboxPool) -> int:
+    """A trial pod's `activeDeadlineSeconds` from the moment its trial starts."""
+    deadlines = pool.spec.deadlines
+    return (
+        deadlines.setup_seconds + deadlines.agent_seconds + deadlines.verify_seconds + COLLECT_GRACE_SECONDS
     )
 
 
 def trial_objects(
-    run: RLRun, pool: SandboxPool, request: TrialRequest, fleet: FleetAccess, ctx: RenderContext
+    run: RLRun,
+    pool: SandboxPool,
+    request: TrialRequest,
+    fleet: FleetAccess,
+    ctx: RenderContext,
+    *,
+    warm: bool = False,
 ) -> list[dict[str, Any]]:
-    """What `launch` applies: the task ConfigMap and the trial pod (pure)."""
+    """What `launch` applies: the task ConfigMap and the trial pod (pure). WARM: a pod made ready ahead,
+    its agent waiting at the gate until `claim_patch` and the proxy's `POST /claim`."""
     names = TrialNames.of(run.metadata.name, request.trial)
     task = request.task
     config_map = _config_map(
@@ -200,16 +226,15 @@ def trial_objects(
             "problem.md": task.problem_statement,
         },
     )
-    pod = trial_pod(pool, trial_context(run, request, fleet), ctx)
+    pod = trial_pod(pool, trial_context(run, request, fleet, warm=warm), ctx)
     _stamp(pod, run, request)
     pod["metadata"].setdefault("annotations", {})[REQUEST_ANNOTATION] = _request_json(request)
+    if warm:
+        pod["metadata"]["labels"][WARM_LABEL] = "waiting"
     spec = pod["spec"]
-    deadlines = pool.spec.deadlines
     # A backstop for an operator that is gone: the operator ends the agent stage at setup + agent
     # seconds itself, and needs the proxy alive for collection and until verify is done.
-    spec["activeDeadlineSeconds"] = (
-        deadlines.setup_seconds + deadlines.agent_seconds + deadlines.verify_seconds + COLLECT_GRACE_SECONDS
-    )
+    spec["activeDeadlineSeconds"] = backstop_seconds(pool) + (WARM_WAIT_SECONDS if warm else 0)
     spec["containers"].append(
         {
             # Keeps the pod (and the proxy sidecar with the trial's journal) running after the agent
@@ -222,6 +247,24 @@ def trial_objects(
         }
     )
     return [config_map, pod]
+
+
+def claim_patch(
+    pool: SandboxPool, request: TrialRequest, waited_seconds: float, claimed_at: datetime
+) -> dict[str, Any]:
+    """The merge patch that marks a warm trial pod claimed by REQUEST (its request as launched: the policy
+    version of now) at CLAIMED_AT, and brings its backstop deadline back to a cold pod's, counted from
+    the claim (the pod started WAITED_SECONDS before it)."""
+    return {
+        "metadata": {
+            "labels": {WARM_LABEL: "claimed"},
+            "annotations": {
+                REQUEST_ANNOTATION: _request_json(request),
+                CLAIMED_AT_ANNOTATION: format_time(claimed_at),
+            },
+        },
+        "spec": {"activeDeadlineSeconds": int(waited_seconds) + 1 + backstop_seconds(pool)},
+    }
 
 
 def verify_objects(

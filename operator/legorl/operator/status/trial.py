@@ -96,6 +96,13 @@ def _deleted_before(meta: Mapping[str, Any], term: Mapping[str, Any] | None) -> 
     return finished is None or finished >= asked - DELETION_SLACK
 
 
+def _latest(when: datetime | None, claimed: datetime | None) -> datetime | None:
+    """WHEN, or the claim if it came later (a warm pod's agent container started before its trial)."""
+    if when is None or claimed is None:
+        return when
+    return max(when, claimed)
+
+
 def agent_end(
     pod: Mapping[str, Any],
     *,
@@ -104,15 +111,19 @@ def agent_end(
     agent_seconds: int,
     launched: datetime,
     agent_container: str = "agent",
+    claimed: datetime | None = None,
 ) -> AgentEnd | None:
-    """How the agent stage of a trial pod ended, or None while it runs. Pure: the pod and the clock."""
+    """How the agent stage of a trial pod ended, or None while it runs. Pure: the pod and the clock.
+    CLAIMED: a warm pod's claim (its stages were done ahead, its agent waited at the gate until then):
+    the trial's clock starts there, not at the pod's start."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     inits, mains = _statuses(pod, "initContainerStatuses"), _statuses(pod, "containerStatuses")
     agent = mains.get(agent_container)
     start = parse_time(status.get("startTime")) or launched
+    start = max(start, claimed) if claimed is not None else start
     waited = (now - start).total_seconds()
     running = ((agent or {}).get("state") or {}).get("running") or {}
-    agent_started = parse_time(running.get("startedAt"))
+    agent_started = _latest(parse_time(running.get("startedAt")), claimed)
     seconds: dict[str, float] = {}
 
     term = _terminated(agent)
@@ -124,7 +135,10 @@ def agent_end(
             "sandbox_error", "the trial pod was deleted (evicted or deleted by someone)", salvage=True
         )
     if term is not None:
-        started, finished = parse_time(term.get("startedAt")), parse_time(term.get("finishedAt"))
+        started, finished = (
+            _latest(parse_time(term.get("startedAt")), claimed),
+            parse_time(term.get("finishedAt")),
+        )
         for name, value in (("setup", _seconds(start, started)), ("agent", _seconds(started, finished))):
             if value is not None:
                 seconds[name] = value
