@@ -2,10 +2,11 @@
 
 The node run is tests/test_node_run.py's (`run_on_node`: the contained one-node Kubernetes 1.20 cluster,
 the chart installed, `kubectl apply` of an RLRun of builtin://tiny-swe on two bundled tiny-python tasks with
-MiniSweAgent, GRPO 2 tasks × 4 trials per step, 2 steps, Sync). The baseline is the same RLRun run by
-`legorl run` (`EmbeddedRun`: local sandboxes, vLLM and the trainer as processes of this machine) on the same
-two tasks, model, harness settings and seed. The two alternate (`--repeats` times each, the order flipped
-every repeat) so that a drift of the machine falls on both. Per run it records:
+MiniSweAgent, GRPO 2 tasks × 4 trials per step, 2 steps, Sync, its next 4 trials kept warm), and the same
+run with no warm trials (`node-cold`: every trial pod starts when its trial is launched). The baseline is the
+same RLRun run by `legorl run` (`EmbeddedRun`: local sandboxes, vLLM and the trainer as processes of this
+machine) on the same two tasks, model, harness settings and seed. The three alternate (`--repeats` times
+each, the order reversed every repeat) so that a drift of the machine falls on all. Per run it records:
 
 - `apply_to_first_agent_seconds`: from `kubectl apply` (the node) or the run's start (embedded) to the first
   trial's agent running (the trial's launch plus its setup stage);
@@ -16,6 +17,9 @@ every repeat) so that a drift of the machine falls on both. Per run it records:
   the node's run keeps the next 4 trials ready): from the operator's `launch` to the pod's proxy answering
   that the agent has its `go` (`POST /claim`; the agent's `read` on the FIFO returns as the proxy writes);
   a warm pod not ready at its launch counts as a cold start from its claim;
+- `pod_stages`: where a trial pod's start goes, per container (from the pod statuses the kubelet wrote):
+  seconds from the pod's `startTime` to the container's start, and the init containers' run time, median
+  over the cold pods and over the warm ones;
 - `trials_per_minute`: trials over the span from the first launch to the last trial's end;
 - `sync_seconds` per step: the trainer's weight sync into the running engine (Filesystem: publish, then
   vLLM's pause → update_weights → resume), from the trainer's step figures in the run store.
@@ -105,12 +109,55 @@ def figures(store: RunStore, records: list[dict[str, Any]], started: float) -> d
     }
 
 
-def on_node(root: Path, helm: str) -> dict[str, Any]:
-    with node_run.run_on_node(root, helm) as trained:
+INIT_STAGES = ("tools", "harness-runtime", "setup", "egress-lock")
+
+
+def pod_stages(trained: Any) -> dict[str, Any]:
+    """Where a trial pod's start goes: per container, seconds from the pod's `startTime` to the container's
+    start and the init containers' run time, median over the cold pods and over the warm ones (made ahead,
+    while the trials before them ran), from the pod statuses the kubelet wrote (`kubectl get pods -w`)."""
+    last: dict[str, dict[str, Any]] = {}
+    for pod in node_run.watched_pods(trained):
+        name = pod["metadata"]["name"]
+        trial = name.startswith(f"{node_run.RUN}-s") and not name.endswith("-verify")
+        if trial and (pod.get("status") or {}).get("containerStatuses"):
+            last[name] = pod
+    by_kind: dict[str, dict[str, list[tuple[float, float | None]]]] = {"cold": {}, "warm": {}}
+    for pod in last.values():
+        status = pod["status"]
+        start = _time(status["startTime"])
+        kind = "warm" if pod["metadata"]["labels"].get("legorl.dev/warm") else "cold"
+        for c in (status.get("initContainerStatuses") or []) + status["containerStatuses"]:
+            state = c.get("state") or {}
+            term = state.get("terminated") or (c.get("lastState") or {}).get("terminated")
+            began = (term or state.get("running") or {}).get("startedAt")
+            if began:
+                ran = _time(term["finishedAt"]) - _time(began) if term and term.get("finishedAt") else None
+                by_kind[kind].setdefault(c["name"], []).append((_time(began) - start, ran))
+    out: dict[str, Any] = {}
+    for kind, containers in by_kind.items():
+        out[kind] = {
+            name: {
+                "started_after_seconds": round(statistics.median(s for s, _ in values), 1),
+                **(
+                    {"ran_seconds": round(statistics.median(r for _, r in values if r is not None), 1)}
+                    if name in INIT_STAGES and any(r is not None for _, r in values)
+                    else {}
+                ),
+                "pods": len(values),
+            }
+            for name, values in containers.items()
+        }
+    return out
+
+
+def on_node(root: Path, helm: str, warm_trials: int | None = None) -> dict[str, Any]:
+    with node_run.run_on_node(root, helm, warm_trials=warm_trials) as trained:
         succeeded = trained.condition("Succeeded")
         if not succeeded or succeeded["status"] != "True":
             raise SystemExit(f"the node's run did not succeed:\n{trained.diagnose()}")
         out = figures(RunStore(str(trained.store)), trained.records(), trained.applied_at)
+        out["pod_stages"] = pod_stages(trained)
         out["node_start"] = {k: round(v, 1) for k, v in trained.node.timings.items() if k != "stop"}
         out["node_ready_to_apply_seconds"] = round(trained.timings["node_to_applied"], 1)
         out["apply_to_succeeded_seconds"] = round(trained.timings["apply_to_end"], 1)
@@ -206,11 +253,14 @@ def main() -> int:
         return 0
     runs: list[dict[str, Any]] = []
     for i in range(args.repeats):
-        order = ("node", "embedded") if i % 2 == 0 else ("embedded", "node")
-        for where in order:
+        order = ("node", "node-cold", "embedded")
+        for where in order if i % 2 == 0 else order[::-1]:
             root = Path(tempfile.mkdtemp(prefix=f"legorl-bench-{where}-"))
             try:
-                result = on_node(root, args.helm) if where == "node" else embedded(root)
+                if where == "embedded":
+                    result = embedded(root)
+                else:  # the node's run as the test runs it, and with no warm trials
+                    result = on_node(root, args.helm, warm_trials=0 if where == "node-cold" else None)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             result.update(where=where, repeat=i)
@@ -223,9 +273,10 @@ def main() -> int:
         + (f" --repeats {args.repeats}" if args.repeats != 1 else ""),
         "commit": git_commit(),
         "machine": f"{os.cpu_count()} CPUs, {platform.machine()}",
-        "warm_pool": "the node's run keeps its next 4 trials ready (schedule.warmTrials: 4); "
-        "warm_claim_seconds is launch -> the agent's go for those claimed ready, trial_start_seconds the "
-        "cold starts (and warm pods not ready at their launch, from the claim)",
+        "warm_pool": "`node` keeps its next 4 trials ready (schedule.warmTrials: 4), `node-cold` is the "
+        "same run with warmTrials 0; warm_claim_seconds is launch -> the agent's go for those claimed "
+        "ready, trial_start_seconds the cold starts (and warm pods not ready at their launch, from the "
+        "claim); pod_stages says where a pod's start goes",
         "runs": runs,
     }
     Path(args.out).write_text(json.dumps(data, indent=1) + "\n")

@@ -250,10 +250,16 @@ def ended(trained: TrainedRun) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def run_on_node(root: Path, helm: str, *, faults: bool = False) -> Iterator[TrainedRun]:
+def run_on_node(
+    root: Path, helm: str, *, faults: bool = False, warm_trials: int | None = None
+) -> Iterator[TrainedRun]:
     """The node started in ROOT, the chart installed, the run's volumes, ConfigMaps and RLRun applied; yields
     once the run has ended (Succeeded or Failed), then stops the node. FAULTS: tests/node_faults.py injects
-    its faults while the run goes. Also used by benchmarks/node_run.py."""
+    its faults while the run goes. WARM_TRIALS: the run's `schedule.warmTrials` instead of RLRUN's. Also
+    used by benchmarks/node_run.py."""
+    rlrun = json.loads(json.dumps(RLRUN))
+    if warm_trials is not None:
+        rlrun["spec"]["schedule"]["warmTrials"] = warm_trials
     store = root / "store"
     store.mkdir()
     os.chown(store, 65532, 65532)  # the operator's and the trainer's uid write it (fsGroup does not apply)
@@ -313,7 +319,7 @@ def run_on_node(root: Path, helm: str, *, faults: bool = False) -> Iterator[Trai
             trained.timings["node_to_applied"] = time.monotonic() - started
             start = time.monotonic()
             trained.applied_at = time.time()
-            cluster.kubectl("apply", "-f", "-", stdin=json.dumps(RLRUN))
+            cluster.kubectl("apply", "-f", "-", stdin=json.dumps(rlrun))
             if faults:
                 trained.faults = FaultDriver(
                     cluster, namespace=NS, run=RUN, release_namespace=RELEASE_NS, store=trained.store,
