@@ -591,11 +591,16 @@ class Node:
                 raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.tail()}")
 
     def _wait(self, what: str, ready: Callable[[], bool], timeout: float, every: float = 0.5) -> None:
+        """Until READY() says so; a probe that times out (a kubectl call to an API server that has bound
+        its port but does not answer yet, seen on a busy machine) is a "not yet", not an error."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive()
-            if ready():
-                return
+            try:
+                if ready():
+                    return
+            except subprocess.TimeoutExpired:
+                pass
             time.sleep(every)
         raise RuntimeError(f"{what} within {timeout:.0f} s")
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.kube120 import JOB_INDEX, SIDECAR_WAIT, _downgrade_job, _emulate_sidecars
-from tests.kubenode import cluster_hosts
+from tests.kubenode import Node, cluster_hosts
 
 
 def job(mode: str | None, completions: int) -> dict[str, Any]:
@@ -119,3 +119,22 @@ def test_the_dns_stand_in_serves_cluster_ips_headless_services_and_pod_hostnames
         "10.96.0.20 web.a.svc.cluster.local",
     ]
     assert cluster_hosts(services) == "10.96.0.20 web.a.svc.cluster.local\n"
+
+
+def test_a_readiness_probe_that_times_out_is_a_not_yet() -> None:
+    """The fresh-clone run of 2026-12-07: the API server bound its port 13 s after it started (a busy
+    machine), the first `kubectl get --raw=/readyz` hung past its 10 s, and the TimeoutExpired ended the
+    node's start at once (all five tests of tests/test_real_node.py errored)."""
+    node = Node.__new__(Node)  # only `_wait` and what it calls
+    node.procs = []
+    answers = iter([subprocess.TimeoutExpired(["kubectl"], 10), False, True])
+
+    def ready() -> bool:
+        answer = next(answers)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    node._wait("the API server was not ready", ready, timeout=5, every=0.01)
+    with pytest.raises(RuntimeError, match="was not ready within 0 s"):
+        node._wait("the API server was not ready", lambda: False, timeout=0.05, every=0.01)
