@@ -127,14 +127,15 @@ def test_a_readiness_probe_that_times_out_is_a_not_yet() -> None:
     node's start at once (all five tests of tests/test_real_node.py errored)."""
     node = Node.__new__(Node)  # only `_wait` and what it calls
     node.procs = []
-    answers = iter([subprocess.TimeoutExpired(["kubectl"], 10), False, True])
+    answers: list[bool | None] = [None, False, True]  # None: the probe times out
 
     def ready() -> bool:
-        answer = next(answers)
-        if isinstance(answer, BaseException):
-            raise answer
+        answer = answers.pop(0)
+        if answer is None:
+            raise subprocess.TimeoutExpired(["kubectl"], 10)
         return answer
 
     node._wait("the API server was not ready", ready, timeout=5, every=0.01)
+    assert answers == []
     with pytest.raises(RuntimeError, match="was not ready within 0 s"):
         node._wait("the API server was not ready", lambda: False, timeout=0.05, every=0.01)
