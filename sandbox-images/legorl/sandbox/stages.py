@@ -16,7 +16,6 @@ from legorl.sandbox import changes as ch
 from legorl.sandbox import workspace
 from legorl.sandbox.checks import Check
 from legorl.sandbox.grade import Grade, GradeError, grade, parse_junit, parse_pytest_log_all
-from legorl.sandbox.outcomes import TamperFinding
 from legorl.sandbox.paths import installed_plugin_modules
 from legorl.sandbox.task import Task
 
@@ -45,7 +44,7 @@ class VerifyTree:
 
     path: Path
     applied: ch.ChangeSet
-    findings: list[TamperFinding] = field(default_factory=list)
+    findings: list[ch.Finding] = field(default_factory=list)
 
 
 def prepare_verify(pristine: Path, into: Path, task: Task, changes: ch.ChangeSet) -> VerifyTree:
@@ -108,7 +107,7 @@ def test_argv(task: Task, junit: str) -> list[str]:
 PASSED = ("PASSED", "XPASS")
 
 
-def grade_run(task: Task, junit: Path, log: str) -> tuple[Grade, list[TamperFinding]]:
+def grade_run(task: Task, junit: Path, log: str) -> tuple[Grade, list[ch.Finding]]:
     """Reward from the verifier's JUnit XML, cross-checked against pytest's `-rA` summary.
 
     Both come from the process that also runs the code under test, so either can be forged from
@@ -124,7 +123,7 @@ def grade_run(task: Task, junit: Path, log: str) -> tuple[Grade, list[TamperFind
         if not summary:
             raise
         return grade({k: v[-1] for k, v in summary.items()}, task.fail_to_pass, task.pass_to_pass), []
-    findings: list[TamperFinding] = []
+    findings: list[ch.Finding] = []
     # With -rA, pytest's summary names every test; a pass in the XML needs the summary's word.
     corroborate = "-rA" in task.test_command.split()
     for test_id in (*task.fail_to_pass, *task.pass_to_pass):
@@ -135,10 +134,8 @@ def grade_run(task: Task, junit: Path, log: str) -> tuple[Grade, list[TamperFind
         if failed or (corroborate and not seen):
             said = ", ".join(seen) or "nothing"
             findings.append(
-                TamperFinding(
-                    kind="results_tampered",
-                    path=test_id,
-                    detail=f"JUnit XML says it passed; pytest's summary says {said}",
+                ch.Finding(
+                    "results_tampered", test_id, f"JUnit XML says it passed; pytest's summary says {said}"
                 )
             )
     result = grade(results, task.fail_to_pass, task.pass_to_pass)
