@@ -74,6 +74,17 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+def _spread(values: list[float], digits: int) -> dict[str, Any]:
+    """p50, p95, min, max and n of VALUES, rounded to DIGITS."""
+    return {
+        "p50": round(statistics.median(values), digits),
+        "p95": round(_quantile(values, 0.95), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+        "n": len(values),
+    }
+
+
 def figures(store: RunStore, records: list[dict[str, Any]], started: float) -> dict[str, Any]:
     """What one run measured, from its trial records and the trainer's step figures."""
     train = [r for r in records if r["split"] == "train"]
@@ -87,22 +98,8 @@ def figures(store: RunStore, records: list[dict[str, Any]], started: float) -> d
         "trials": len(train),
         "by_reason": dict(sorted(Counter(r["termination_reason"] for r in train).items())),
         "apply_to_first_agent_seconds": round(min(agent_at) - started, 1),
-        "trial_start_seconds": {
-            "p50": round(statistics.median(setup), 1),
-            "p95": round(_quantile(setup, 0.95), 1),
-            "min": round(min(setup), 1),
-            "max": round(max(setup), 1),
-            "n": len(setup),
-        },
-        "warm_claim_seconds": {
-            "p50": round(statistics.median(claims), 4),
-            "p95": round(_quantile(claims, 0.95), 4),
-            "min": round(min(claims), 4),
-            "max": round(max(claims), 4),
-            "n": len(claims),
-        }
-        if claims
-        else None,
+        "trial_start_seconds": _spread(setup, 1),
+        "warm_claim_seconds": _spread(claims, 4) if claims else None,
         "trials_per_minute": round(60.0 * len(train) / (last - first), 2),
         "sync_seconds": {f.step: round(f.sync_seconds, 2) for f in store.step_figures() if f.sync_seconds},
         "published": store.published_versions(),
