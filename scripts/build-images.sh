@@ -100,6 +100,16 @@ make_rootfs trixie
 
 PY=.venv/bin/python
 [ -x "$PY" ] || PY=python3
+status=0
 PYTHONPATH=sandbox-images${PYTHONPATH:+:$PYTHONPATH} "$PY" scripts/images/build_images.py \
   --base-rootfs "$CACHE/debian-bookworm-minbase.tar" --trixie-rootfs "$CACHE/debian-trixie-minbase.tar" \
-  --rootfs-seconds "$rootfs_seconds" --docker "$DOCKER" "$@"
+  --rootfs-seconds "$rootfs_seconds" --docker "$DOCKER" "$@" || status=$?
+
+# Every rebuild leaves the layers it replaced in BuildKit's cache, and nothing else ever frees
+# them: a cache kept across CI runs grew to 38 GB of build cache beside 6.5 GB of images, and a CI
+# run then failed with "No space left on device". Keep the most recently used layers (what the next
+# rebuild reuses) up to LEGORL_BUILD_CACHE_KEEP, and drop images that a rebuild left untagged.
+"$DOCKER" image prune -f >/dev/null || say "docker image prune failed"
+"$DOCKER" builder prune -f --keep-storage "${LEGORL_BUILD_CACHE_KEEP:-10GB}" >/dev/null ||
+  say "docker builder prune failed"
+exit "$status"

@@ -531,7 +531,10 @@ class Node:
             "sysctls": {n: _sysctl_path(n).read_text().strip() for n in KUBELET_SYSCTLS},
             "host_entries": _host_entries(),
             "host_existed": {str(d): d.is_dir() for d in KUBELET_HOST_DIRS},
-            "remove": [str(self.run)],
+            # The kubelet's pod folders hold each trial pod's emptyDirs (a harness runtime copy is
+            # ~0.8 GB), and etcd's data: gigabytes a stopped node has no use for, while the logs
+            # beside them stay for whoever reads a failure.
+            "remove": [str(self.run), str(self.root / "kubelet"), str(self.root / "etcd")],
         }
         self._save_state()
 

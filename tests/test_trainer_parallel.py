@@ -18,7 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ Runner = Callable[..., dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
-def launch(template: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Runner:
+def launch(template: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runner]:
     tiny, store = template
     root = tmp_path_factory.mktemp("runs")
     cache: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -79,7 +79,9 @@ def launch(template: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
         cache[key] = result
         return result
 
-    return launch
+    yield launch
+    # Each launch copies the run store and writes a checkpoint: ~1.8 GB once the module is done.
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _max_delta(a: dict[Any, torch.Tensor], b: dict[Any, torch.Tensor]) -> float:
