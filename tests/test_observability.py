@@ -164,7 +164,7 @@ def test_an_infra_failure_is_an_error_span() -> None:
         reward=None,
         error="the trial pod was evicted",
         stage_seconds={"setup": 2.0},
-        tamper_findings=[TamperFinding("egress_attempt", "connect to 1.2.3.4")],
+        tamper_findings=[TamperFinding(kind="egress_attempt", detail="connect to 1.2.3.4")],
     )
     emit_trial_spans(provider, failing)
     [root] = [s for s in exporter.get_finished_spans() if s.name == "trial"]

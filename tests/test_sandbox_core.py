@@ -26,6 +26,7 @@ from legorl.sandbox import cli, stages, workspace
 from legorl.sandbox import task as task_mod
 from legorl.sandbox.grade import grade, parse_junit, parse_pytest_log
 from legorl.sandbox.local import LocalBackend
+from legorl.sandbox.outcomes import TamperFinding
 from legorl.sandbox.paths import hook_reason, is_test_path
 from legorl.sandbox.task import DEFAULT_TEST_COMMAND, Task, TaskError, TaskSet, load_jsonl
 
@@ -459,7 +460,7 @@ def test_apply_never_writes_through_a_link(tmp_path: Path) -> None:
 
 def test_change_sets_round_trip_as_json() -> None:
     changes = ch.ChangeSet(files={"a.py": "x\n"}, executable={"a.py"}, deleted={"b.py"})
-    changes.findings.append(ch.Finding("symlink", "c", "why"))
+    changes.findings.append(TamperFinding(kind="symlink", path="c", detail="why"))
     again = ch.ChangeSet.from_dict(json.loads(json.dumps(changes.to_dict())))
     assert again.to_dict() == changes.to_dict()
     with pytest.raises(ValueError, match="not a legorl change set"):

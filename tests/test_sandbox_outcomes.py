@@ -20,7 +20,9 @@ def test_the_api_re_exports_the_sandbox_definitions() -> None:
     assert _enum.DocumentedEnum is outcomes.DocumentedEnum
     assert trajectory.TAMPER_KINDS is outcomes.TAMPER_KINDS
     assert get_type_hints(trajectory.TamperFinding)["kind"] is outcomes.TamperKind
-    assert get_type_hints(changes.Finding)["kind"] is outcomes.TamperKind
+    # One tamper finding type: the sandbox reports it, the API stores it.
+    assert trajectory.TamperFinding is outcomes.TamperFinding
+    assert get_type_hints(changes.ChangeSet)["findings"] == list[outcomes.TamperFinding]
     assert get_type_hints(trial.TrialOutcome)["termination_reason"] is outcomes.TerminationReason
 
 

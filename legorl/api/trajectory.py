@@ -48,7 +48,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from legorl.api.termination import INFRA_REASONS, TerminationReason
-from legorl.sandbox.outcomes import TAMPER_KINDS, TamperKind
+from legorl.sandbox.outcomes import TAMPER_KINDS, TamperFinding, TamperKind
 
 __all__ = [
     "INFRA_REASONS",
@@ -535,15 +535,6 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class TamperFinding:
-    """Something the agent did that could game the reward (recorded, shown, and filtered)."""
-
-    kind: TamperKind
-    detail: str
-    path: str | None = None
-
-
-@dataclass(frozen=True)
 class TrialRecord:
     """One trial's outcome; rows of the run store's trial table."""
 
@@ -841,10 +832,7 @@ def _trials_table(trials: list[TrialRecord]) -> pa.Table:
     arrays: dict[str, Any] = {
         "termination_reason": pa.array([t.termination_reason.value for t in trials], pa.string()),
         "tamper_findings": pa.array(
-            [
-                [{"kind": f.kind, "path": f.path, "detail": f.detail} for f in t.tamper_findings]
-                for t in trials
-            ],
+            [[f.to_dict() for f in t.tamper_findings] for t in trials],
             pa.list_(TAMPER_TYPE),
         ),
         "segments": _segments_array(trials),
@@ -880,7 +868,7 @@ def trials_from_table(table: pa.Table) -> list[TrialRecord]:
             started_at=row["started_at"],
             ended_at=row["ended_at"],
             segments=segs,
-            tamper_findings=[TamperFinding(**t) for t in row["tamper_findings"]],
+            tamper_findings=[TamperFinding.from_dict(t) for t in row["tamper_findings"]],
             policy_versions=list(row["policy_versions"]),
             num_turns=row["num_turns"],
             merged_turn_share=row["merged_turn_share"],

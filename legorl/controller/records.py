@@ -15,7 +15,7 @@ from typing import Any
 
 from legorl.api.summary import TrajectorySummary
 from legorl.api.termination import TerminationReason
-from legorl.api.trajectory import TAMPER_KINDS, TamperFinding, TrialRecord
+from legorl.api.trajectory import TamperFinding, TrialRecord
 
 from .backend import TrialRequest
 
@@ -48,16 +48,9 @@ def reconcile(sandbox_reason: str, trajectory: TrajectorySummary | None) -> Term
 
 
 def findings_from(items: Sequence[Mapping[str, Any]]) -> list[TamperFinding]:
-    """Tamper findings as the sandbox reports them (`kind`, `path`, `detail`); unknown kinds are kept as
-    `outside_repo` with the original kind in the detail, never dropped."""
-    out = []
-    for item in items:
-        kind = str(item.get("kind", ""))
-        detail = str(item.get("detail", ""))
-        if kind not in TAMPER_KINDS:
-            detail, kind = f"{kind}: {detail}", "outside_repo"
-        out.append(TamperFinding(kind=kind, path=item.get("path"), detail=detail))  # type: ignore[arg-type]
-    return out
+    """Tamper findings as the sandbox reports them (`TamperFinding.from_dict`: unknown kinds are kept as
+    `outside_repo`, never dropped)."""
+    return [TamperFinding.from_dict(item) for item in items]
 
 
 def build_record(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-from legorl.sandbox.outcomes import TamperKind
+from legorl.sandbox.outcomes import TamperFinding
 from legorl.sandbox.paths import hook_reason, is_test_path
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
@@ -32,18 +32,6 @@ MAX_ENTRIES = 500_000
 MAX_DEPTH = 64
 MAX_PATH = 1024
 EXCLUDED_DIRS = frozenset({".git"})
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One thing in the agent's changes that could game the reward; stripped and reported."""
-
-    kind: TamperKind
-    path: str | None
-    detail: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "path": self.path, "detail": self.detail}
 
 
 @dataclass(frozen=True)
@@ -81,7 +69,7 @@ class _Item:
         return digest.hexdigest()
 
 
-def _walk(root: Path, problems: list[Finding] | None = None) -> Iterator[_Item]:
+def _walk(root: Path, problems: list[TamperFinding] | None = None) -> Iterator[_Item]:
     """Every entry below root except `.git`, never following links.
 
     Folders are opened relative to their parent's fd (`O_NOFOLLOW`), so a tree deeper than
@@ -101,7 +89,11 @@ def _walk(root: Path, problems: list[Finding] | None = None) -> Iterator[_Item]:
                     rel = f"{prefix}{entry.name}"
                     if seen > MAX_ENTRIES:
                         if problems is not None:
-                            problems.append(Finding("binary_patch", None, f"more than {MAX_ENTRIES} entries"))
+                            problems.append(
+                                TamperFinding(
+                                    kind="binary_patch", path=None, detail=f"more than {MAX_ENTRIES} entries"
+                                )
+                            )
                         return
                     st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
                     if not stat.S_ISDIR(st.st_mode):
@@ -111,7 +103,11 @@ def _walk(root: Path, problems: list[Finding] | None = None) -> Iterator[_Item]:
                         continue
                     if depth + 1 > MAX_DEPTH or len(rel) > MAX_PATH:
                         if problems is not None:
-                            problems.append(Finding("outside_repo", rel[:200], "folder too deep; not read"))
+                            problems.append(
+                                TamperFinding(
+                                    kind="outside_repo", path=rel[:200], detail="folder too deep; not read"
+                                )
+                            )
                         continue
                     stack.append((os.open(entry.name, flags, dir_fd=fd), rel + "/", depth + 1))
             finally:
@@ -150,7 +146,7 @@ class ChangeSet:
     files: dict[str, str] = field(default_factory=dict)
     executable: set[str] = field(default_factory=set)
     deleted: set[str] = field(default_factory=set)
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[TamperFinding] = field(default_factory=list)
 
     @property
     def paths(self) -> list[str]:
@@ -181,7 +177,7 @@ class ChangeSet:
         out.executable = {str(p) for p in data.get("executable", [])}
         out.deleted = {str(p) for p in data.get("deleted", [])}
         for item in data.get("findings", []):
-            out.findings.append(Finding(item["kind"], item.get("path"), str(item.get("detail", ""))))
+            out.findings.append(TamperFinding.from_dict(item))
         return out
 
 
@@ -215,11 +211,15 @@ def capture(root: Path, base: dict[str, Entry]) -> ChangeSet:
         if stat.S_ISLNK(st.st_mode):
             if before is None or before.sha256 or before.mode != stat.S_IFLNK:
                 target = os.readlink(item.name, dir_fd=item.dir_fd)
-                changes.findings.append(Finding("symlink", rel, f"symbolic link to {target!r} refused"))
+                changes.findings.append(
+                    TamperFinding(kind="symlink", path=rel, detail=f"symbolic link to {target!r} refused")
+                )
             continue
         if not stat.S_ISREG(st.st_mode):
             changes.findings.append(
-                Finding("symlink", rel, "not a regular file (fifo, socket or device) refused")
+                TamperFinding(
+                    kind="symlink", path=rel, detail="not a regular file (fifo, socket or device) refused"
+                )
             )
             continue
         if (
@@ -235,14 +235,20 @@ def capture(root: Path, base: dict[str, Entry]) -> ChangeSet:
             continue
         problem = path_problem(rel)
         if problem:
-            changes.findings.append(Finding("outside_repo", rel, problem))
+            changes.findings.append(TamperFinding(kind="outside_repo", path=rel, detail=problem))
             continue
         if len(changes.files) >= MAX_FILES:
-            changes.findings.append(Finding("binary_patch", rel, f"more than {MAX_FILES} changed files"))
+            changes.findings.append(
+                TamperFinding(kind="binary_patch", path=rel, detail=f"more than {MAX_FILES} changed files")
+            )
             continue
         if st.st_size > MAX_FILE_BYTES or total + st.st_size > MAX_TOTAL_BYTES:
             changes.findings.append(
-                Finding("binary_patch", rel, f"file of {st.st_size} bytes exceeds the change-set size limits")
+                TamperFinding(
+                    kind="binary_patch",
+                    path=rel,
+                    detail=f"file of {st.st_size} bytes exceeds the change-set size limits",
+                )
             )
             continue
         raw = item.read(MAX_FILE_BYTES + 1)
@@ -251,7 +257,11 @@ def capture(root: Path, base: dict[str, Entry]) -> ChangeSet:
                 raise UnicodeDecodeError("utf-8", raw, 0, 1, "NUL byte")
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
-            changes.findings.append(Finding("binary_patch", rel, "binary content refused (only UTF-8 text)"))
+            changes.findings.append(
+                TamperFinding(
+                    kind="binary_patch", path=rel, detail="binary content refused (only UTF-8 text)"
+                )
+            )
             continue
         total += len(raw)
         changes.files[rel] = text
@@ -277,16 +287,20 @@ def sanitize(
     for rel in changes.paths:
         problem = path_problem(rel)
         if problem:
-            out.findings.append(Finding("outside_repo", rel, problem))
+            out.findings.append(TamperFinding(kind="outside_repo", path=rel, detail=problem))
             continue
         action = "deleted" if rel in changes.deleted else "changed"
         reason = hook_reason(rel, existing_tops, runner_modules)
         if reason:
-            out.findings.append(Finding("test_hook_added", rel, f"{reason}; {action} file ignored"))
+            out.findings.append(
+                TamperFinding(kind="test_hook_added", path=rel, detail=f"{reason}; {action} file ignored")
+            )
             continue
         if is_test_path(rel, hidden):
             out.findings.append(
-                Finding("test_file_modified", rel, f"test file {action}; restored for verify")
+                TamperFinding(
+                    kind="test_file_modified", path=rel, detail=f"test file {action}; restored for verify"
+                )
             )
             continue
         introduced = (
@@ -296,10 +310,10 @@ def sanitize(
         )
         if introduced and rel.endswith(".py"):
             out.findings.append(
-                Finding(
-                    "test_hook_added",
-                    rel,
-                    f"source adds {introduced!r}, which reaches into the test runner; ignored",
+                TamperFinding(
+                    kind="test_hook_added",
+                    path=rel,
+                    detail=f"source adds {introduced!r}, which reaches into the test runner; ignored",
                 )
             )
             continue

@@ -28,6 +28,7 @@ from pathlib import Path
 from legorl.sandbox import changes as ch
 from legorl.sandbox import stages
 from legorl.sandbox.grade import GradeError
+from legorl.sandbox.outcomes import TamperFinding
 from legorl.sandbox.task import Task, TaskError
 from legorl.sandbox.workspace import SetupError
 
@@ -129,7 +130,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 {"stage": "verify-prepare", "files": len(made.applied.files), "findings": len(made.findings)}
             )
             return 0
-    findings = [ch.Finding(**f) for f in json.loads(prepared.read_text(encoding="utf-8"))["findings"]]
+    findings = [
+        TamperFinding.from_dict(f) for f in json.loads(prepared.read_text(encoding="utf-8"))["findings"]
+    ]
     junit = out / "junit.xml"
     proc = subprocess.run(
         stages.test_argv(task, str(junit)),

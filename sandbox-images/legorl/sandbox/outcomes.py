@@ -8,8 +8,10 @@ package because task images carry only that package; it imports nothing but the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Final, Literal, get_args
+from typing import Any, Final, Literal, cast, get_args
 
 
 class DocumentedEnum(StrEnum):
@@ -77,6 +79,32 @@ TamperKind = Literal[
 """What a tamper finding is about: the closed set the sandbox reports and the trial table stores."""
 
 TAMPER_KINDS: Final[frozenset[str]] = frozenset(get_args(TamperKind))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TamperFinding:
+    """Something the agent did that could game the reward: what the sandbox strips and reports, the
+    verifier's termination message carries, the run controller records and the trial table stores
+    (`legorl.api.trajectory` re-exports it)."""
+
+    kind: TamperKind
+    detail: str
+    path: str | None = None
+    """The file it is about, relative to the repository (None: the whole change set)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": self.path, "detail": self.detail}
+
+    @classmethod
+    def from_dict(cls, item: Mapping[str, Any]) -> TamperFinding:
+        """A finding as JSON carries it. A kind outside the closed set (a newer sandbox's) is kept, not
+        dropped: as `outside_repo`, with the kind it named at the head of its detail."""
+        kind, detail = str(item.get("kind", "")), str(item.get("detail", ""))
+        path = item.get("path")
+        if kind not in TAMPER_KINDS:
+            kind, detail = "outside_repo", f"{kind}: {detail}"
+        return cls(kind=cast("TamperKind", kind), detail=detail, path=None if path is None else str(path))
+
 
 TamperPolicy = Literal["StripAndReport", "FailTrial"]
 """What verification does with a diff that touches tests or test-runner hooks: strip those parts and

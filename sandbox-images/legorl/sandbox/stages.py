@@ -16,6 +16,7 @@ from legorl.sandbox import changes as ch
 from legorl.sandbox import workspace
 from legorl.sandbox.checks import Check
 from legorl.sandbox.grade import Grade, GradeError, grade, parse_junit, parse_pytest_log_all
+from legorl.sandbox.outcomes import TamperFinding
 from legorl.sandbox.paths import installed_plugin_modules
 from legorl.sandbox.task import Task
 
@@ -44,7 +45,7 @@ class VerifyTree:
 
     path: Path
     applied: ch.ChangeSet
-    findings: list[ch.Finding] = field(default_factory=list)
+    findings: list[TamperFinding] = field(default_factory=list)
 
 
 def prepare_verify(pristine: Path, into: Path, task: Task, changes: ch.ChangeSet) -> VerifyTree:
@@ -107,7 +108,7 @@ def test_argv(task: Task, junit: str) -> list[str]:
 PASSED = ("PASSED", "XPASS")
 
 
-def grade_run(task: Task, junit: Path, log: str) -> tuple[Grade, list[ch.Finding]]:
+def grade_run(task: Task, junit: Path, log: str) -> tuple[Grade, list[TamperFinding]]:
     """Reward from the verifier's JUnit XML, cross-checked against pytest's `-rA` summary.
 
     Both come from the process that also runs the code under test, so either can be forged from
@@ -123,7 +124,7 @@ def grade_run(task: Task, junit: Path, log: str) -> tuple[Grade, list[ch.Finding
         if not summary:
             raise
         return grade({k: v[-1] for k, v in summary.items()}, task.fail_to_pass, task.pass_to_pass), []
-    findings: list[ch.Finding] = []
+    findings: list[TamperFinding] = []
     # With -rA, pytest's summary names every test; a pass in the XML needs the summary's word.
     corroborate = "-rA" in task.test_command.split()
     for test_id in (*task.fail_to_pass, *task.pass_to_pass):
@@ -134,8 +135,10 @@ def grade_run(task: Task, junit: Path, log: str) -> tuple[Grade, list[ch.Finding
         if failed or (corroborate and not seen):
             said = ", ".join(seen) or "nothing"
             findings.append(
-                ch.Finding(
-                    "results_tampered", test_id, f"JUnit XML says it passed; pytest's summary says {said}"
+                TamperFinding(
+                    kind="results_tampered",
+                    path=test_id,
+                    detail=f"JUnit XML says it passed; pytest's summary says {said}",
                 )
             )
     result = grade(results, task.fail_to_pass, task.pass_to_pass)

@@ -33,7 +33,7 @@ from legorl.sandbox.local import (
     SandboxError,
     parse_report,
 )
-from legorl.sandbox.outcomes import TerminationReason
+from legorl.sandbox.outcomes import TamperFinding, TerminationReason
 from legorl.sandbox.task import Task, TaskSet
 
 TRIAL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -48,7 +48,7 @@ class TrialOutcome:
     termination_reason: TerminationReason
     reward: float | None
     checks: list[Check] = field(default_factory=list)
-    findings: list[ch.Finding] = field(default_factory=list)
+    findings: list[TamperFinding] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     diff: str = ""
     grade: Grade | None = None
@@ -227,7 +227,11 @@ class _Trial:
         try:
             captured = ch.capture(self.dir / "workspace", staged.baseline)
         except OSError as exc:  # the agent's tree defeated the walk: its work cannot be read
-            out.findings = [ch.Finding("outside_repo", None, f"the workspace could not be read: {exc}")]
+            out.findings = [
+                TamperFinding(
+                    kind="outside_repo", path=None, detail=f"the workspace could not be read: {exc}"
+                )
+            ]
             out.reward = 0.0
             return out
         started = time.monotonic()
@@ -256,7 +260,9 @@ class _Trial:
             if self._verifier_works(seconds):
                 # The same tests give results without the agent's changes: their absence is the
                 # agent's doing (a crash at import, os._exit), a 0, not an infrastructure failure.
-                out.findings.append(ch.Finding("results_tampered", None, f"no test results: {exc}"))
+                out.findings.append(
+                    TamperFinding(kind="results_tampered", path=None, detail=f"no test results: {exc}")
+                )
                 out.reward, out.error = 0.0, f"the tests produced no results with the agent's changes: {tail}"
                 return out
             return self.fail(
