@@ -10,10 +10,11 @@ import pytest
 import yaml
 
 from legorl.api.kinds import RLRun
+from legorl.api.launch import TrainerLaunch
 from legorl.api.store import RunStore
 from legorl.operator.render.common import RenderContext
 from legorl.operator.render.run import render_run
-from legorl.trainer.main import _load_run, parser
+from legorl.trainer.main import EXIT_USAGE, _load_run, main, parser
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-local.yaml"
 
@@ -63,3 +64,28 @@ def test_the_trainer_jobs_command_line_parses_with_torchrun_and_then_legorl() ->
             patch.setenv(name, value)
         args = parser().parse_args(torchrun.training_script_args)
     assert args.run == "tiny-local" and args.store == env["LEGORL_STORE_URI"]
+
+
+def test_the_launch_contract_round_trips_and_refuses_a_bad_port() -> None:
+    """What the trainer Job sets is what `legorl train` reads: one encoder, one decoder."""
+    launch = TrainerLaunch(
+        run="r",
+        namespace="ns",
+        store_uri="file:///store/ns/r",
+        fleet_urls=("dns+http://r-fleet-engine-replicas.ns.svc:8000",),
+        weight_sync_address="r-trainer-0.r-trainer",
+        weight_sync_port=29600,
+    )
+    env = {e["name"]: e["value"] for e in launch.env()}
+    assert TrainerLaunch.from_env(env) == launch
+    assert TrainerLaunch.from_env({}) == TrainerLaunch()
+    with pytest.raises(ValueError, match=r"\$LEGORL_WEIGHT_SYNC_PORT='x' is not a port number"):
+        TrainerLaunch.from_env({**env, "LEGORL_WEIGHT_SYNC_PORT": "x"})
+
+
+def test_a_bad_metrics_port_in_the_environment_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LEGORL_METRICS_PORT", "http")
+    assert main(["--check"]) == EXIT_USAGE
+    assert "$LEGORL_METRICS_PORT='http' is not a port number" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from legorl.api.kinds import RLRun
+from legorl.api.launch import STORE_URI
 from legorl.api.run import NATIVE_API_FORMAT, Harness
 
 __all__ = ["ProxyCommand", "ProxyRun", "ProxyTrial", "proxy_command"]
@@ -104,5 +105,5 @@ def proxy_command(run: RLRun | ProxyRun, trial: ProxyTrial) -> ProxyCommand:
         *([f"--drain-seconds={trial.drain_seconds}"] if trial.drain_seconds else []),
         *([f"--claim-fifo={trial.claim_fifo}"] if trial.claim_fifo else []),
     ]
-    env = {"LEGORL_STORE_URI": trial.store_uri} if trial.store_uri else {}
+    env = {STORE_URI: trial.store_uri} if trial.store_uri else {}
     return ProxyCommand(args=args, env=env)

@@ -18,12 +18,17 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from legorl.api.launch import TrainerLaunch
+
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 TINY_MOE = "builtin://tiny-moe"
 TINY_SWE = "builtin://tiny-swe"
 
 
 def parser() -> argparse.ArgumentParser:
+    """`legorl train`'s options; their defaults come from the trainer pod's environment (`TrainerLaunch`:
+    ValueError when a variable there is unusable)."""
+    launch = TrainerLaunch.from_env(os.environ)
     p = argparse.ArgumentParser(
         prog="legorl train",
         description=(
@@ -37,12 +42,12 @@ def parser() -> argparse.ArgumentParser:
         "--run",
         # The trainer pod passes it in the environment: torchrun's own parser refuses any argument of the
         # script that starts with `--run` ("ambiguous option: could match --run-path, --run_path").
-        default=os.environ.get("LEGORL_RUN") or None,
+        default=launch.run,
         help="RLRun name (checked against the manifest; default: $LEGORL_RUN, which the trainer pod sets)",
     )
     p.add_argument(
         "--store",
-        default=os.environ.get("LEGORL_STORE_URI"),
+        default=launch.store_uri,
         help="run store URI (default: $LEGORL_STORE_URI, else the manifest's spec.store)",
     )
     p.add_argument(
@@ -55,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fleet-url",
         action="append",
-        default=[u for u in os.environ.get("LEGORL_FLEET_URL", "").split(",") if u],
+        default=list(launch.fleet_urls),
         help="engine base URL to load new weights into (repeat per replica; default: $LEGORL_FLEET_URL)",
     )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -72,8 +77,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-port",
         type=int,
-        # A string default goes through `type` too: a bad $LEGORL_METRICS_PORT is a usage error.
-        default=os.environ.get("LEGORL_METRICS_PORT") or "0",
+        default=launch.metrics_port or 0,
         help="serve Prometheus /metrics (legorl_trainer_*) on this port, all interfaces "
         "(default: $LEGORL_METRICS_PORT, else 0: not served)",
     )
@@ -274,17 +278,14 @@ def _prepare(args: argparse.Namespace, args_list: list[str], rank: int) -> tuple
     settings = TrainerSettings.from_run(
         run, store_uri=store, checkpoint_dir=checkpoint, fleet_urls=tuple(args.fleet_url), device=args.device
     )
-    address = os.environ.get("LEGORL_WEIGHT_SYNC_ADDRESS")
-    if address:
+    launch = TrainerLaunch.from_env(os.environ)
+    if launch.weight_sync_address:
         # The operator sets these when the run's fleet (inline or referenced) syncs over NCCL.
-        port = os.environ.get("LEGORL_WEIGHT_SYNC_PORT", str(settings.weight_sync_port))
-        if not port.isdigit():
-            raise ValueError(f"$LEGORL_WEIGHT_SYNC_PORT={port!r} is not a port number")
         settings = settings.model_copy(
             update={
                 "weight_sync_method": "NCCL",
-                "weight_sync_address": address,
-                "weight_sync_port": int(port),
+                "weight_sync_address": launch.weight_sync_address,
+                "weight_sync_port": launch.weight_sync_port or settings.weight_sync_port,
             }
         )
     shape = _model_shape(Path(checkpoint))
@@ -297,7 +298,11 @@ def _prepare(args: argparse.Namespace, args_list: list[str], rank: int) -> tuple
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(args_list)
+    try:
+        args = parser().parse_args(args_list)
+    except ValueError as exc:  # the pod's environment (TrainerLaunch)
+        print(f"legorl train: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=args.log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s"

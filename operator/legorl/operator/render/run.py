@@ -20,6 +20,7 @@ from legorl.api.labels import (
     pool_name,
     trainer_name,
 )
+from legorl.api.launch import TrainerLaunch
 from legorl.api.pool import SandboxPoolSpec
 from legorl.operator.render.common import (
     RESTRICTED_POD_SECURITY,
@@ -170,12 +171,15 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int, nccl: bool) ->
     layout = par.layout()
     name = trainer_name(run.metadata.name)
     store = store_mount(run, ctx)
-    env = [
-        {"name": "LEGORL_RUN", "value": run.metadata.name},
-        {"name": "LEGORL_NAMESPACE", "value": run.metadata.namespace or "default"},
-        {"name": "LEGORL_STORE_URI", "value": store.uri_in_pod},
+    launch = TrainerLaunch(
+        run=run.metadata.name,
+        namespace=run.metadata.namespace or "default",
+        store_uri=store.uri_in_pod,
         # Every replica, looked up at each sync (a dns+ name: all addresses of the serving pods' Service).
-        {"name": "LEGORL_FLEET_URL", "value": replicas_url(run, fleet_port)},
+        fleet_urls=(replicas_url(run, fleet_port),),
+    )
+    env = [
+        *launch.env(),
         # torchrun's rendezvous: index 0 is the master; the headless Service gives it a DNS name.
         {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
         {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
@@ -194,10 +198,8 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int, nccl: bool) ->
     if nccl:
         # The writer (global rank 0, on the pod of index 0) opens vLLM's NCCL weight-transfer rendezvous
         # here; every engine worker connects to it by this name.
-        env += [
-            {"name": "LEGORL_WEIGHT_SYNC_ADDRESS", "value": writer_address(run)},
-            {"name": "LEGORL_WEIGHT_SYNC_PORT", "value": str(WEIGHT_SYNC_PORT)},
-        ]
+        sync = TrainerLaunch(weight_sync_address=writer_address(run), weight_sync_port=WEIGHT_SYNC_PORT)
+        env += sync.env()
         ports.append({"name": "weight-sync", "containerPort": WEIGHT_SYNC_PORT, "protocol": "TCP"})
     command = [
         "torchrun",
@@ -209,7 +211,7 @@ def _trainer_job(run: RLRun, ctx: RenderContext, fleet_port: int, nccl: bool) ->
         "-m",
         "legorl.trainer",
         # No `--run=NAME`: torchrun refuses a script argument starting with `--run` (ambiguous with its
-        # `--run-path`); the trainer reads the name from $LEGORL_RUN.
+        # `--run-path`); the trainer reads the name from its environment (`TrainerLaunch`).
     ]
     container: dict[str, Any] = {
         "name": "trainer",
