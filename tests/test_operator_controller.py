@@ -42,6 +42,7 @@ import pytest
 import uvicorn
 from prometheus_client import generate_latest
 
+from legorl.api.annotations import AgentOutcomeNote, TrialRequestNote
 from legorl.api.conditions import find_condition
 from legorl.api.kinds import KINDS, RLRun, SandboxPool
 from legorl.api.labels import (
@@ -1172,7 +1173,7 @@ def test_trial_objects_are_valid_children_of_the_run_and_hide_the_answers() -> N
         FLEET,
         RenderContext(),
         changes={"files": {"calc.py": "x"}},
-        agent_outcome={"reason": "completed"},
+        agent_outcome=AgentOutcomeNote("completed"),
     )
     for obj in (task_cm, changes_cm, verify):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
@@ -1182,7 +1183,34 @@ def test_trial_objects_are_valid_children_of_the_run_and_hide_the_answers() -> N
         volumes["task"] == task_cm["metadata"]["name"]
         and volumes["changes"] == changes_cm["metadata"]["name"]
     )
-    assert json.loads(verify["metadata"]["annotations"][AGENT_OUTCOME_ANNOTATION]) == {"reason": "completed"}
+    outcome = verify["metadata"]["annotations"][AGENT_OUTCOME_ANNOTATION]
+    assert json.loads(outcome) == {"reason": "completed", "exitCode": None, "detail": "", "stageSeconds": {}}
+    assert AgentOutcomeNote.from_json(outcome) == AgentOutcomeNote("completed")
+    note = TrialRequestNote.from_json(verify["metadata"]["annotations"][REQUEST_ANNOTATION])
+    assert TrialRequest.from_note(note, request.task) == request
+
+
+def test_the_pod_notes_round_trip_and_refuse_what_they_cannot_use() -> None:
+    _, _, request = _example()
+    note = request.note()
+    assert json.loads(note.to_json()) == {
+        "trial": "s3-t1-r0",
+        "taskId": request.task.instance_id,
+        "groupId": request.group_id,
+        "split": request.split,
+        "step": request.step,
+        "policyVersion": request.policy_version,
+    }
+    assert TrialRequestNote.from_json(note.to_json()) == note
+    for bad in (None, "", "[]", '{"trial": "x"}', note.to_json().replace('"train"', '"test"')):
+        with pytest.raises(ValueError, match="trial-request annotation"):
+            TrialRequestNote.from_json(bad)
+    outcome = AgentOutcomeNote("agent_error", 1, "x" * 3000, {"setup": 1.5})
+    again = AgentOutcomeNote.from_json(outcome.to_json())
+    assert again == AgentOutcomeNote("agent_error", 1, "x" * 2000, {"setup": 1.5})  # the detail is capped
+    for bad in ("{}", '{"reason": "x", "exitCode": "one"}', '"completed"'):
+        with pytest.raises(ValueError, match="agent-outcome annotation"):
+            AgentOutcomeNote.from_json(bad)
 
 
 def test_a_warm_trial_pod_is_valid_gated_and_its_claim_restores_the_deadline() -> None:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from legorl.api.annotations import TrialRequestNote
 from legorl.api.trajectory import TrialRecord
 from legorl.sandbox.task import Task
 
@@ -51,6 +52,29 @@ class TrialRequest:
     def __post_init__(self) -> None:
         if not TRIAL_ID.match(self.trial):
             raise ValueError(f"trial id {self.trial!r} must be a DNS label (lowercase letters, digits, '-')")
+
+    def note(self) -> TrialRequestNote:
+        """What a pod carries of this request (`legorl.dev/trial-request`): the task by its id."""
+        return TrialRequestNote(
+            trial=self.trial,
+            task_id=self.task.instance_id,
+            group_id=self.group_id,
+            split=self.split,
+            step=self.step,
+            policy_version=self.policy_version,
+        )
+
+    @classmethod
+    def from_note(cls, note: TrialRequestNote, task: Task) -> TrialRequest:
+        """The request a pod's note names, its task looked up by the caller (ValueError: a bad trial id)."""
+        return cls(
+            trial=note.trial,
+            task=task,
+            group_id=note.group_id,
+            split=note.split,
+            step=note.step,
+            policy_version=note.policy_version,
+        )
 
 
 class TrialBackend(Protocol):

@@ -51,6 +51,7 @@ from typing import Any, Literal, TypeVar
 
 import httpx
 
+from legorl.api.annotations import AgentOutcomeNote, TrialRequestNote
 from legorl.api.kinds import RLRun, SandboxPool
 from legorl.api.labels import (
     AGENT_OUTCOME_ANNOTATION,
@@ -573,12 +574,7 @@ class KubeTrialBackend:
             changes = proxy.changes()
         except ProxyCallError as exc:
             return self._finish(trial, end.reason, f"{end.detail}; {exc}", stage_seconds=end.stage_seconds)
-        outcome = {
-            "reason": end.reason,
-            "exitCode": end.exit_code,
-            "detail": end.detail[:2000],
-            "stageSeconds": dict(end.stage_seconds),
-        }
+        outcome = AgentOutcomeNote(end.reason, end.exit_code, end.detail, end.stage_seconds)
         objects = verify_objects(
             self.run, self.pool, trial.request, self.fleet, self.ctx, changes=changes, agent_outcome=outcome
         )
@@ -814,34 +810,25 @@ class KubeTrialBackend:
     def _request_of(self, pod: Mapping[str, Any]) -> TrialRequest | None:
         raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(REQUEST_ANNOTATION)
         try:
-            data = json.loads(raw or "")
-            task = self.tasks[str(data["taskId"])]
-            split: Split = "validation" if data["split"] == "validation" else "train"
-            return TrialRequest(
-                trial=str(data["trial"]),
-                task=task,
-                group_id=str(data["groupId"]),
-                split=split,
-                step=int(data["step"]),
-                policy_version=str(data["policyVersion"]),
-            )
-        except (ValueError, KeyError, TypeError):
+            note = TrialRequestNote.from_json(raw)
+            return TrialRequest.from_note(note, self.tasks[note.task_id])
+        except (ValueError, KeyError):
             return None
 
     @staticmethod
     def _agent_of(verifier: Mapping[str, Any]) -> AgentEnd:
         raw = ((verifier.get("metadata") or {}).get("annotations") or {}).get(AGENT_OUTCOME_ANNOTATION)
         try:
-            data = json.loads(raw or "")
-            return AgentEnd(
-                reason=str(data["reason"]),
-                detail=str(data.get("detail") or ""),
-                exit_code=data.get("exitCode"),
-                collect=True,
-                stage_seconds={str(k): float(v) for k, v in (data.get("stageSeconds") or {}).items()},
-            )
-        except (ValueError, KeyError, TypeError):
+            note = AgentOutcomeNote.from_json(raw)
+        except ValueError:
             return AgentEnd("completed", "the agent stage's outcome was lost; the verifier decides")
+        return AgentEnd(
+            reason=note.reason,
+            detail=note.detail,
+            exit_code=note.exit_code,
+            collect=True,
+            stage_seconds=dict(note.stage_seconds),
+        )
 
     def _cleanup(self, trial: _Trial) -> None:
         self._delete_all(trial.names)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from legorl.api.annotations import AgentOutcomeNote
 from legorl.api.kinds import RLRun, SandboxPool
 from legorl.api.labels import (
     AGENT_OUTCOME_ANNOTATION,
@@ -127,20 +128,6 @@ class FleetAccess:
     capture_routed_experts: bool = False
 
 
-def _request_json(request: TrialRequest) -> str:
-    return json.dumps(
-        {
-            "trial": request.trial,
-            "taskId": request.task.instance_id,
-            "groupId": request.group_id,
-            "split": request.split,
-            "step": request.step,
-            "policyVersion": request.policy_version,
-        },
-        sort_keys=True,
-    )
-
-
 def _stamp(obj: dict[str, Any], run: RLRun, request: TrialRequest) -> dict[str, Any]:
     """Make `obj` a child of the run: owner reference, owner label, trial labels."""
     meta = obj["metadata"]
@@ -228,7 +215,7 @@ def trial_objects(
     )
     pod = trial_pod(pool, trial_context(run, request, fleet, warm=warm), ctx)
     _stamp(pod, run, request)
-    pod["metadata"].setdefault("annotations", {})[REQUEST_ANNOTATION] = _request_json(request)
+    pod["metadata"].setdefault("annotations", {})[REQUEST_ANNOTATION] = request.note().to_json()
     if warm:
         pod["metadata"]["labels"][WARM_LABEL] = "waiting"
     spec = pod["spec"]
@@ -259,7 +246,7 @@ def claim_patch(
         "metadata": {
             "labels": {WARM_LABEL: "claimed"},
             "annotations": {
-                REQUEST_ANNOTATION: _request_json(request),
+                REQUEST_ANNOTATION: request.note().to_json(),
                 CLAIMED_AT_ANNOTATION: format_time(claimed_at),
             },
         },
@@ -275,9 +262,9 @@ def verify_objects(
     ctx: RenderContext,
     *,
     changes: Mapping[str, Any],
-    agent_outcome: Mapping[str, Any],
+    agent_outcome: AgentOutcomeNote,
 ) -> list[dict[str, Any]]:
-    """The full task, the change set and the verify pod (pure). `agent_outcome` (JSON) says how the
+    """The full task, the change set and the verify pod (pure). `agent_outcome` says how the
     agent stage ended; it rides on the verify pod so a restarted operator still knows."""
     names = TrialNames.of(run.metadata.name, request.trial)
     task_cm = _config_map(
@@ -296,8 +283,8 @@ def verify_objects(
     _stamp(pod, run, request)
     pod["metadata"].setdefault("annotations", {}).update(
         {
-            REQUEST_ANNOTATION: _request_json(request),
-            AGENT_OUTCOME_ANNOTATION: json.dumps(agent_outcome, sort_keys=True),
+            REQUEST_ANNOTATION: request.note().to_json(),
+            AGENT_OUTCOME_ANNOTATION: agent_outcome.to_json(),
         }
     )
     return [task_cm, changes_cm, pod]
