@@ -52,9 +52,11 @@ from legorl.sandbox.outcomes import TAMPER_KINDS, TamperFinding, TamperKind
 
 __all__ = [
     "INFRA_REASONS",
+    "OPTIONAL_COLUMNS",
     "READABLE_SCHEMA_VERSIONS",
     "ROUTING_DTYPES",
     "SCHEMA_VERSION",
+    "SUMMARY_COLUMNS",
     "TAMPER_KINDS",
     "TRIAL_SCHEMA",
     "TRIAL_SCHEMA_V1",
@@ -68,6 +70,7 @@ __all__ = [
     "TerminationReason",
     "TrajectoryError",
     "TrialRecord",
+    "TrialSummary",
     "Turn",
     "decode_routing",
     "routing_array",
@@ -534,6 +537,79 @@ class Segment:
         )
 
 
+SUMMARY_COLUMNS: Final = (
+    "run",
+    "trial",
+    "task_id",
+    "group_id",
+    "split",
+    "step",
+    "harness",
+    "termination_reason",
+    "reward",
+    "tamper_findings",
+    "policy_versions",
+    "num_turns",
+    "merged_turn_share",
+    "stage_seconds",
+    "started_at",
+    "ended_at",
+    "error",
+)
+"""The trial table's columns but the segments (token arrays, routing): what listings read."""
+OPTIONAL_COLUMNS: Final = ("tool_call_turns",)
+"""Trial columns added after the schema's first version: absent from older tables (read when there)."""
+
+
+@dataclass(frozen=True)
+class TrialSummary:
+    """A trial-table row without its segments: the one decoder of the table's small columns, for the
+    trainer's batches (`trials_from_table`), diagnostics and the UI."""
+
+    run: str
+    trial: str
+    task_id: str
+    group_id: str
+    split: Literal["train", "validation"]
+    step: int
+    harness: str
+    termination_reason: TerminationReason
+    reward: float | None
+    started_at: datetime
+    ended_at: datetime
+    tamper_findings: list[TamperFinding]
+    policy_versions: list[str]
+    num_turns: int
+    merged_turn_share: float | None
+    stage_seconds: dict[str, float]
+    error: str | None
+    tool_call_turns: int | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> TrialSummary:
+        """A row as pyarrow's `to_pylist` gives it (`SUMMARY_COLUMNS`, and `OPTIONAL_COLUMNS` when read)."""
+        return cls(
+            run=row["run"],
+            trial=row["trial"],
+            task_id=row["task_id"],
+            group_id=row["group_id"],
+            split=row["split"],
+            step=int(row["step"]),
+            harness=row["harness"],
+            termination_reason=TerminationReason(row["termination_reason"]),
+            reward=row["reward"],
+            started_at=row["started_at"],
+            ended_at=row["ended_at"],
+            tamper_findings=[TamperFinding.from_dict(t) for t in row["tamper_findings"]],
+            policy_versions=list(row["policy_versions"]),
+            num_turns=int(row["num_turns"]),
+            merged_turn_share=row["merged_turn_share"],
+            stage_seconds={s["stage"]: s["seconds"] for s in row["stage_seconds"]},
+            error=row["error"],
+            tool_call_turns=row.get("tool_call_turns"),
+        )
+
+
 @dataclass(frozen=True)
 class TrialRecord:
     """One trial's outcome; rows of the run store's trial table."""
@@ -848,6 +924,10 @@ def _trials_table(trials: list[TrialRecord]) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=TRIAL_SCHEMA)
 
 
+def _shallow(summary: TrialSummary) -> dict[str, Any]:
+    return {f.name: getattr(summary, f.name) for f in fields(summary)}
+
+
 def trials_from_table(table: pa.Table) -> list[TrialRecord]:
     """Trial records of a trial table of any readable schema version (version 1 converted on read),
     checked against the contract, segments included: a table is data from outside this process."""
@@ -855,27 +935,7 @@ def trials_from_table(table: pa.Table) -> list[TrialRecord]:
     rows = table.drop_columns(["segments"]).to_pylist()
     segments = _segments_of(table.column("segments"), version)
     records = [
-        TrialRecord(
-            run=row["run"],
-            trial=row["trial"],
-            task_id=row["task_id"],
-            group_id=row["group_id"],
-            split=row["split"],
-            step=row["step"],
-            harness=row["harness"],
-            termination_reason=TerminationReason(row["termination_reason"]),
-            reward=row["reward"],
-            started_at=row["started_at"],
-            ended_at=row["ended_at"],
-            segments=segs,
-            tamper_findings=[TamperFinding.from_dict(t) for t in row["tamper_findings"]],
-            policy_versions=list(row["policy_versions"]),
-            num_turns=row["num_turns"],
-            merged_turn_share=row["merged_turn_share"],
-            stage_seconds={s["stage"]: s["seconds"] for s in row["stage_seconds"]},
-            error=row["error"],
-            tool_call_turns=row.get("tool_call_turns"),
-        )
+        TrialRecord(**_shallow(TrialSummary.from_row(row)), segments=segs)
         for row, segs in zip(rows, segments, strict=True)
     ]
     for record in records:

@@ -29,7 +29,14 @@ from legorl.api.run import Algorithm, FidelityGuard, Schedule, StopConditions, T
 from legorl.api.store import RunStore, StoreError, StoreLayout, parse_policy_version
 from legorl.api.termination import INFRA_REASONS
 from legorl.api.timestamps import parse_time
-from legorl.api.trajectory import TRIAL_SCHEMA, SchemaVersionError, check_schema
+from legorl.api.trajectory import (
+    OPTIONAL_COLUMNS,
+    SUMMARY_COLUMNS,
+    TRIAL_SCHEMA,
+    SchemaVersionError,
+    TrialSummary,
+    check_schema,
+)
 from legorl.api.weights import PublishedWeights
 
 __all__ = [
@@ -51,27 +58,6 @@ scheduling and image pulls) counts towards the sandbox's start time."""
 
 ERROR_CHARS: Final = 1000
 """Trial errors are kept up to this many characters (the store keeps 4000)."""
-
-OPTIONAL_COLUMNS: Final = frozenset({"tool_call_turns"})
-"""Trial columns added after the schema's first version: absent from older tables."""
-TRIAL_COLUMNS: Final = (
-    "tool_call_turns",
-    "trial",
-    "task_id",
-    "group_id",
-    "split",
-    "step",
-    "termination_reason",
-    "reward",
-    "tamper_findings",
-    "policy_versions",
-    "num_turns",
-    "stage_seconds",
-    "started_at",
-    "ended_at",
-    "error",
-)
-"""The trial table's columns diagnostics reads: everything but the segments (token arrays, routing)."""
 
 
 class _Facts(BaseModel):
@@ -438,32 +424,30 @@ def _read_trials(store: RunStore, path: str) -> list[TrialFacts]:
             check_schema(parquet.schema_arrow, TRIAL_SCHEMA)
             present = set(parquet.schema_arrow.names)
             # Optional columns (absent from older tables) are read when there.
-            table = parquet.read(
-                columns=[c for c in TRIAL_COLUMNS if c in present or c not in OPTIONAL_COLUMNS]
-            )
+            table = parquet.read(columns=[*SUMMARY_COLUMNS, *(c for c in OPTIONAL_COLUMNS if c in present)])
     except (OSError, SchemaVersionError, ValueError) as exc:
         raise StoreError(f"{store.url(path)} cannot be read for diagnostics: {exc}") from exc
     return [_trial(row) for row in table.to_pylist()]
 
 
 def _trial(row: Mapping[str, Any]) -> TrialFacts:
-    error = row.get("error")
+    t = TrialSummary.from_row(row)
     return TrialFacts(
-        trial=row["trial"],
-        step=row["step"],
-        split=row["split"],
-        task_id=row["task_id"],
-        group_id=row["group_id"],
-        termination_reason=row["termination_reason"],
-        reward=row["reward"],
-        num_turns=row["num_turns"],
-        policy_versions=list(row["policy_versions"]),
-        stage_seconds={s["stage"]: s["seconds"] for s in row["stage_seconds"]},
-        started_at=row["started_at"],
-        ended_at=row["ended_at"],
-        tamper_kinds=[t["kind"] for t in row["tamper_findings"]],
-        error=error[:ERROR_CHARS] if error else None,
-        tool_calls=row.get("tool_call_turns"),
+        trial=t.trial,
+        step=t.step,
+        split=t.split,
+        task_id=t.task_id,
+        group_id=t.group_id,
+        termination_reason=t.termination_reason.value,
+        reward=t.reward,
+        num_turns=t.num_turns,
+        policy_versions=t.policy_versions,
+        stage_seconds=t.stage_seconds,
+        started_at=t.started_at,
+        ended_at=t.ended_at,
+        tamper_kinds=[f.kind for f in t.tamper_findings],
+        error=t.error[:ERROR_CHARS] if t.error else None,
+        tool_calls=t.tool_call_turns,
     )
 
 

@@ -37,7 +37,7 @@ from legorl.api.figures import (
 )
 from legorl.api.store import RunStore, StoreError, StoreLayout, parse_policy_version
 from legorl.api.termination import INFRA_REASONS, TerminationReason
-from legorl.api.trajectory import TRIAL_SCHEMA, decode_routing
+from legorl.api.trajectory import SUMMARY_COLUMNS, TRIAL_SCHEMA, TrialSummary, decode_routing
 from legorl.api.weights import PUBLISHED_MARKER
 
 from .tokens import TokenText, load_token_text
@@ -58,25 +58,6 @@ REASONS: Final = [r.value for r in TerminationReason]
 """Termination reasons in their documented order (the UI's colour order)."""
 INFRA: Final = sorted(r.value for r in INFRA_REASONS)
 
-SUMMARY_COLUMNS: Final = [
-    "trial",
-    "task_id",
-    "group_id",
-    "split",
-    "step",
-    "harness",
-    "termination_reason",
-    "reward",
-    "tamper_findings",
-    "policy_versions",
-    "num_turns",
-    "merged_turn_share",
-    "stage_seconds",
-    "started_at",
-    "ended_at",
-    "error",
-]
-"""The trial columns a list needs: everything but the segments (token arrays)."""
 
 CURVES: Final = StepFigures.curves()
 """Training curves the UI draws first, in this order, as (figure, label, group): declared on `StepFigures`'s
@@ -159,27 +140,26 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def _summary_row(row: Mapping[str, Any]) -> dict[str, Any]:
-    started, ended = row.get("started_at"), row.get("ended_at")
-    duration = (ended - started).total_seconds() if isinstance(started, datetime) and ended else None
-    stages = {s["stage"]: s["seconds"] for s in row.get("stage_seconds") or []}
+    """A trial as the UI's lists show it (`TrialSummary`, the one decoder of a trial-table row)."""
+    t = TrialSummary.from_row(row)
     return {
-        "trial": row["trial"],
-        "task_id": row["task_id"],
-        "group_id": row["group_id"],
-        "split": row["split"],
-        "step": int(row["step"]),
-        "harness": row["harness"],
-        "termination_reason": row["termination_reason"],
-        "reward": _num(row.get("reward")),
-        "tamper_findings": [dict(t) for t in row.get("tamper_findings") or []],
-        "policy_versions": list(row.get("policy_versions") or []),
-        "num_turns": int(row.get("num_turns") or 0),
-        "merged_turn_share": _num(row.get("merged_turn_share")),
-        "stage_seconds": stages,
-        "started_at": _iso(started),
-        "ended_at": _iso(ended),
-        "duration": duration,
-        "error": row.get("error"),
+        "trial": t.trial,
+        "task_id": t.task_id,
+        "group_id": t.group_id,
+        "split": t.split,
+        "step": t.step,
+        "harness": t.harness,
+        "termination_reason": t.termination_reason.value,
+        "reward": _num(t.reward),
+        "tamper_findings": [f.to_dict() for f in t.tamper_findings],
+        "policy_versions": t.policy_versions,
+        "num_turns": t.num_turns,
+        "merged_turn_share": _num(t.merged_turn_share),
+        "stage_seconds": t.stage_seconds,
+        "started_at": _iso(t.started_at),
+        "ended_at": _iso(t.ended_at),
+        "duration": (t.ended_at - t.started_at).total_seconds(),
+        "error": t.error,
     }
 
 
@@ -410,7 +390,7 @@ class StoreData:
 
             def from_batch() -> list[dict[str, Any]]:
                 path = self.store.fs_path(StoreLayout.batch_trials(step))
-                rows = self._read_rows([path], SUMMARY_COLUMNS)
+                rows = self._read_rows([path], list(SUMMARY_COLUMNS))
                 for row in rows:
                     row["committed"] = True
                 return rows
@@ -420,7 +400,9 @@ class StoreData:
 
         def from_saved() -> list[dict[str, Any]]:
             names = [n for n in self._list(folder) if n.endswith(".parquet") and not n.startswith(".")]
-            rows = self._read_rows([self.store.fs_path(f"{folder}/{n}") for n in names], SUMMARY_COLUMNS)
+            rows = self._read_rows(
+                [self.store.fs_path(f"{folder}/{n}") for n in names], list(SUMMARY_COLUMNS)
+            )
             for row in rows:
                 row["committed"] = False
             return rows
