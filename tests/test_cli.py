@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from legorl.api.progress import Progress
 from legorl.cli.main import build_parser
-from legorl.controller.loop import Progress
 from legorl.embedded.runner import EmbeddedRun, format_progress, load_run
 from legorl.operator.settings import OperatorSettings, from_environment
 

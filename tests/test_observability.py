@@ -25,9 +25,9 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from legorl.api.progress import Progress
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import TamperFinding, TrialRecord
-from legorl.controller.loop import Progress
 from legorl.operator.handlers import build_registry
 from legorl.operator.main import make_reconciler
 from legorl.operator.metrics import (

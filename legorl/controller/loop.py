@@ -37,11 +37,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from legorl.api.figures import BatchSummary, EvalSummary, StepFigures
 from legorl.api.kinds import RLRun
+from legorl.api.progress import Progress
 from legorl.api.store import RunStore, parse_policy_version, policy_version
 from legorl.api.termination import INFRA_REASONS, TerminationReason
 from legorl.api.trajectory import TrialRecord
@@ -83,52 +84,6 @@ class StoreTrainer:
 
     def error(self) -> str | None:
         return self._error() if self._error is not None else None
-
-
-@dataclass
-class Progress:
-    """A snapshot of the run, for the display, the RLRun status and the UI."""
-
-    run: str
-    step: int = 0
-    """The newest committed training step."""
-    policy_version: str = "v0"
-    """The version the fleet serves."""
-    max_steps: int | None = None
-    trials_total: int = 0
-    """Training trials finished (held-out ones are counted in `eval_trials`)."""
-    eval_trials: int = 0
-    trials_running: int = 0
-    trials_dropped: int = 0
-    zero_variance_groups: int = 0
-    by_reason: dict[str, int] = field(default_factory=dict)
-    reward_mean: float | None = None
-    """Mean reward of the newest committed step's trained-on trials."""
-    held_out_solve_rate: float | None = None
-    held_out_interval: tuple[float, float] | None = None
-    baseline_solve_rate: float | None = None
-    """Held-out solve rate of the initial policy (v0)."""
-    fidelity_correlation: float | None = None
-    max_abs_logprob_delta: float | None = None
-    tokens_per_second: float | None = None
-    trials_per_minute: float | None = None
-    eta_seconds: float | None = None
-    elapsed_seconds: float = 0.0
-    phase_seconds: dict[str, float] = field(default_factory=dict)
-    """Wall time spent in trial stages summed over trials, and waiting for the trainer."""
-    fidelity_below_steps: int = 0
-    """Newest consecutive steps whose correlation is below fidelity.minCorrelation (the guard's count)."""
-    fidelity_guard_after: int = 0
-    """The guard counts only steps after this one: where it last paused the run (a resume re-arms it)."""
-    degraded_reason: str | None = None
-    """`FidelityBelowThreshold` while the guard has fired (the RLRun's Degraded condition)."""
-    degraded_message: str = ""
-    message: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["held_out_interval"] = list(self.held_out_interval) if self.held_out_interval else None
-        return out
 
 
 @dataclass
@@ -528,8 +483,8 @@ class RunController:
     # -- resume, cancel, end ----------------------------------------------------------------------
 
     def _resume(self) -> None:
-        saved = self.store.read_controller_state() or {}
-        self.progress.fidelity_guard_after = int(saved.get("fidelity_guard_after") or 0)
+        saved = Progress.from_json(self.store.read_controller_state(), run=self.name)
+        self.progress.fidelity_guard_after = saved.fidelity_guard_after
         committed = self.store.committed_steps()
         for step in committed:
             for record in self.store.read_batch(step).trials:

@@ -34,10 +34,11 @@ from legorl.api.figures import BatchSummary
 from legorl.api.fleet import RolloutFleetSpec
 from legorl.api.kinds import RLRun, RolloutFleet
 from legorl.api.labels import owned_fleet_name
+from legorl.api.progress import Progress
 from legorl.api.store import RunStore, policy_version
 from legorl.api.trajectory import TrialRecord
 from legorl.controller.backend import BackendError
-from legorl.controller.loop import Progress, RunController, RunOutcome, StoreTrainer
+from legorl.controller.loop import RunController, RunOutcome, StoreTrainer
 from legorl.controller.plan import PlanError
 from legorl.embedded.engine import VllmServer
 from legorl.embedded.local import LocalTrialBackend

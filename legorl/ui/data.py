@@ -35,6 +35,7 @@ from legorl.api.figures import (
     TrainerState,
     ValidationReport,
 )
+from legorl.api.progress import Progress
 from legorl.api.store import RunStore, StoreError, StoreLayout, parse_policy_version
 from legorl.api.termination import INFRA_REASONS, TerminationReason
 from legorl.api.trajectory import SUMMARY_COLUMNS, TRIAL_SCHEMA, TrialSummary, decode_routing
@@ -297,9 +298,9 @@ class StoreData:
         name = (spec.get("metadata") or {}).get("name")
         if isinstance(name, str) and name:
             return name
-        state = self.controller_state() or {}
-        if isinstance(state.get("run"), str) and state["run"]:
-            return str(state["run"])
+        state = Progress.from_json(self.controller_state())
+        if state.run:
+            return state.run
         return posixpath.basename(self.uri.rstrip("/")) or "run"
 
     def controller_state(self) -> dict[str, Any] | None:
@@ -527,7 +528,7 @@ class StoreData:
     def summary(self) -> dict[str, Any]:
         """One row of the runs list."""
         spec = self.run_spec() or {}
-        p = self.progress()
+        p = Progress.from_json(self.progress())
         evals = self.eval_summaries()
         last_eval = evals[-1] if evals else None
         metrics = self.step_figures()
@@ -537,31 +538,31 @@ class StoreData:
         return {
             "name": self.name(),
             "store": self.uri,
-            "step": p.get("step", 0),
-            "max_steps": p.get("max_steps") or stop.get("maxSteps"),
-            "policy_version": p.get("policy_version"),
-            "reward_mean": _num(p.get("reward_mean")),
-            "held_out": _num(last_eval.solve_rate if last_eval else p.get("held_out_solve_rate")),
+            "step": p.step,
+            "max_steps": p.max_steps or stop.get("maxSteps"),
+            "policy_version": p.policy_version,
+            "reward_mean": _num(p.reward_mean),
+            "held_out": _num(last_eval.solve_rate if last_eval else p.held_out_solve_rate),
             "held_out_interval": (
                 list(last_eval.interval95)
                 if last_eval and last_eval.interval95
-                else p.get("held_out_interval")
+                else (list(p.held_out_interval) if p.held_out_interval else None)
             ),
-            "baseline": _num(p.get("baseline_solve_rate")),
-            "fidelity": _num(last.fidelity_pearson) if last else _num(p.get("fidelity_correlation")),
-            "trials_per_minute": _num(p.get("trials_per_minute")),
-            "trials_total": p.get("trials_total"),
-            "trials_running": p.get("trials_running"),
-            "message": p.get("message") or "",
-            "degraded_reason": p.get("degraded_reason"),
+            "baseline": _num(p.baseline_solve_rate),
+            "fidelity": _num(last.fidelity_pearson) if last else _num(p.fidelity_correlation),
+            "trials_per_minute": _num(p.trials_per_minute),
+            "trials_total": p.trials_total,
+            "trials_running": p.trials_running,
+            "message": p.message,
+            "degraded_reason": p.degraded_reason,
             "updated_seconds_ago": (time.time() - updated) if updated else None,
             "conditions": self.local_conditions(),
         }
 
     def local_conditions(self) -> list[dict[str, Any]]:
         """Conditions as the store shows them (no cluster: nothing else writes any)."""
-        p = self.controller_state()
-        if p is None:
+        raw = self.controller_state()
+        if raw is None:
             return [
                 {
                     "type": "Training",
@@ -572,9 +573,9 @@ class StoreData:
             ]
         updated = self.updated_at()
         fresh = updated is not None and time.time() - updated < 120
-        step, max_steps = int(p.get("step") or 0), p.get("max_steps")
-        running = int(p.get("trials_running") or 0)
-        finished = max_steps is not None and step >= int(max_steps) and running == 0
+        p = Progress.from_json(raw)
+        step, max_steps, running = p.step, p.max_steps, p.trials_running
+        finished = max_steps is not None and step >= max_steps and running == 0
         out: list[dict[str, Any]] = []
         if finished:
             out.append(
@@ -582,7 +583,7 @@ class StoreData:
                     "type": "Succeeded",
                     "status": "True",
                     "reason": "Finished",
-                    "message": p.get("message") or f"trained {step} step(s)",
+                    "message": p.message or f"trained {step} step(s)",
                 }
             )
         else:
@@ -591,7 +592,7 @@ class StoreData:
                     "type": "Training",
                     "status": "True" if fresh else "Unknown",
                     "reason": "Running" if fresh else "NoRecentProgress",
-                    "message": p.get("message")
+                    "message": p.message
                     or (
                         f"step {step} of {max_steps}, {running} trial(s) running"
                         if fresh
@@ -599,13 +600,13 @@ class StoreData:
                     ),
                 }
             )
-        if p.get("degraded_reason"):
+        if p.degraded_reason:
             out.append(
                 {
                     "type": "Degraded",
                     "status": "True",
-                    "reason": p["degraded_reason"],
-                    "message": p.get("degraded_message") or "",
+                    "reason": p.degraded_reason,
+                    "message": p.degraded_message,
                 }
             )
         for c in out:

@@ -47,10 +47,11 @@ from legorl.api.conditions import RunConditionType as T
 from legorl.api.conditions import find_condition
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
 from legorl.api.labels import VALIDATE_ANNOTATION, fleet_name, pool_name
+from legorl.api.progress import Progress
 from legorl.api.run import RunMetrics, ValidationStatus
 from legorl.api.store import RunStore, StoreError
 from legorl.api.trajectory import TrialRecord
-from legorl.controller.loop import FIDELITY_REASON, Progress, RunController, RunOutcome
+from legorl.controller.loop import FIDELITY_REASON, RunController, RunOutcome
 from legorl.controller.plan import PlanError
 from legorl.operator.canary import Stopped, run_canary, summary, validation_status
 from legorl.operator.kube import ApiError
