@@ -11,6 +11,13 @@ two trees measured the same way, not as exact facts:
   data: the trainer's step figures (`FIGURE_KEYS`) outside `trainer/` and `legorl/api/figures.py` (their
   one definition), and the
   keys of the proxy's `/trajectory` body that the issue names outside `proxy/`.
+- `cross_component_reads` (issue 37), by document: string-keyed reads of a document outside the module that
+  owns its type, over the non-test, non-benchmark files: `progress` (the controller's `state.json`,
+  `legorl.api.progress`), `trial_row` (trial-table columns, `legorl.api.trajectory`), `pod_notes` (the
+  trial pods' annotations, `legorl.api.annotations`), `launch_env` (string literals naming the trainer's
+  launch variables, `legorl.api.launch`) and `spec_status` (camelCase fields of the three CRDs' spec and
+  status models, outside `legorl/api/` and the operator's `status/` and `render/` that write them);
+  `total` is the sum. `tests/test_census.py` keeps `total` at or below `scripts/census-ceiling.json`.
 - `label_literals`: string literals `"legorl.dev/..."` (label and annotation keys, not apiVersions),
   definitions included.
 - `store_path_literals`: string literals naming a run-store path (`batches/`, `weights/`, `metrics/`,
@@ -51,6 +58,85 @@ STORE_PATH = re.compile(
     r"|^(run\.json|COMMIT\.json|PUBLISHED\.json|legorl-weights\.json|state\.json|latest\.json)$"
 )
 STORE_MODULE = "legorl/api/store.py"
+PROGRESS_KEYS = frozenset(
+    {
+        "trials_total", "eval_trials", "trials_running", "trials_dropped", "zero_variance_groups",
+        "by_reason", "held_out_solve_rate", "held_out_interval", "baseline_solve_rate",
+        "fidelity_correlation", "max_abs_logprob_delta", "trials_per_minute", "eta_seconds",
+        "elapsed_seconds", "phase_seconds", "fidelity_below_steps", "fidelity_guard_after",
+        "degraded_reason", "degraded_message", "max_steps",
+    }
+)  # fmt: skip
+"""The controller snapshot's fields (generic ones such as `step` or `message` left out)."""
+ROW_KEYS = frozenset(
+    {
+        "task_id", "group_id", "termination_reason", "tamper_findings", "policy_versions", "num_turns",
+        "merged_turn_share", "stage_seconds", "started_at", "ended_at", "tool_call_turns",
+    }
+)  # fmt: skip
+"""Trial-table columns (generic ones such as `trial`, `step` or `error` left out)."""
+NOTE_KEYS = frozenset({"taskId", "groupId", "stageSeconds"})
+"""The trial pods' annotation documents' keys (`policyVersion` is also a status field, counted there;
+`exitCode` is also the Kubernetes container status's)."""
+LAUNCH_ENV = re.compile(
+    r"^LEGORL_(RUN|NAMESPACE|STORE_URI|FLEET_URL|WEIGHT_SYNC_ADDRESS|WEIGHT_SYNC_PORT|METRICS_PORT)$"
+)
+OWNERS = {
+    "progress": ("legorl/api/progress.py", "legorl/controller/"),
+    "trial_row": ("legorl/api/trajectory.py",),
+    "pod_notes": ("legorl/api/annotations.py",),
+    "launch_env": ("legorl/api/launch.py",),
+    "spec_status": ("legorl/api/", "operator/legorl/operator/status/", "operator/legorl/operator/render/"),
+}
+"""Where each document's type lives (and, for spec and status, the code that writes them)."""
+
+
+def crd_field_aliases() -> set[str]:
+    """The camelCase wire names of every field of the CRDs' spec and status models, nested ones included
+    (single words such as `name` or `image` left out: too generic to tell apart)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from pydantic import BaseModel  # noqa: PLC0415
+
+    from legorl.api.fleet import RolloutFleetSpec, RolloutFleetStatus  # noqa: PLC0415
+    from legorl.api.pool import SandboxPoolSpec, SandboxPoolStatus  # noqa: PLC0415
+    from legorl.api.run import RLRunSpec, RLRunStatus  # noqa: PLC0415
+
+    aliases: set[str] = set()
+    seen: set[type] = set()
+
+    def walk(model: type[BaseModel]) -> None:
+        if model in seen:
+            return
+        seen.add(model)
+        for name, info in model.model_fields.items():
+            alias = info.alias or name
+            if re.search(r"[a-z][A-Z]", alias):
+                aliases.add(alias)
+            for inner in _models_in(info.annotation):
+                walk(inner)
+
+    for root in (
+        RLRunSpec,
+        RLRunStatus,
+        RolloutFleetSpec,
+        RolloutFleetStatus,
+        SandboxPoolSpec,
+        SandboxPoolStatus,
+    ):
+        walk(root)
+    return aliases
+
+
+def _models_in(annotation: Any) -> list[type]:
+    from typing import get_args  # noqa: PLC0415
+
+    from pydantic import BaseModel  # noqa: PLC0415
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
 LABEL_KEY = re.compile(r"legorl\.dev/(?!v\d)")
 """A label or annotation key (or their prefix), not an apiVersion."""
 
@@ -99,6 +185,28 @@ def duplicate_pairs(repo: Path, files: list[Path]) -> int | None:
     return int(match.group(1)) if match else 0
 
 
+def cross_component_reads(repo: Path, files: list[Path]) -> dict[str, int]:
+    keys = {
+        "progress": set(PROGRESS_KEYS),
+        "trial_row": set(ROW_KEYS),
+        "pod_notes": set(NOTE_KEYS),
+        "spec_status": crd_field_aliases(),
+    }
+    out = dict.fromkeys([*keys, "launch_env"], 0)
+    for name in files:
+        path = str(name)
+        if path.startswith("benchmarks/"):
+            continue
+        text = (repo / name).read_text()
+        for document, owned in keys.items():
+            if not path.startswith(OWNERS[document]):
+                out[document] += string_keyed_reads(text, owned)
+        if not path.startswith(OWNERS["launch_env"]):
+            out["launch_env"] += sum(1 for s in string_literals(text) if LAUNCH_ENV.match(s))
+    out["total"] = sum(out.values())
+    return out
+
+
 def census(repo: Path) -> dict[str, Any]:
     files = source_files(repo)
     counts = {"dict_str_any": 0, "string_keyed_reads": 0, "label_literals": 0, "store_path_literals": 0}
@@ -118,6 +226,7 @@ def census(repo: Path) -> dict[str, Any]:
     sizes.sort(reverse=True)
     return {
         **counts,
+        "cross_component_reads": cross_component_reads(repo, files),
         "duplicate_pairs": duplicate_pairs(repo, files),
         "largest_files": [{"path": path, "lines": lines} for lines, path in sizes[:5]],
         "files": len(files),
@@ -128,7 +237,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--reads", action="store_true", help="only the cross-component reads (fast: no duplicates search)"
+    )
     args = parser.parse_args(argv)
+    if args.reads:
+        files = source_files(args.repo)
+        sys.stdout.write(json.dumps(cross_component_reads(args.repo, files), indent=2) + "\n")
+        return
     result = census(args.repo)
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
