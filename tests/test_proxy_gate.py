@@ -17,6 +17,7 @@ from legorl.operator.render.pool import CLAIM_FIFO, GATE_SCRIPT
 from legorl.proxy.app import ProxyApp
 from legorl.proxy.settings import ProxySettings
 from legorl.proxy.testing import FakeEngine
+from legorl.trialproxy.client import ProxyCallError, ProxyClient, ProxyUnreachable
 from tests.asgi_server import serve
 
 
@@ -117,3 +118,26 @@ def test_a_proxy_without_a_gate_has_no_claim(tmp_path: Path) -> None:
         with serve(ProxyApp(settings)) as url:
             answer = httpx.post(f"{url}/claim")
     assert answer.status_code == 404 and "not a warm one" in answer.text
+
+
+def test_the_backends_client_claims_through_the_real_gate(gated: tuple[str, Path], tmp_path: Path) -> None:
+    """`ProxyClient.claim` (what the Kubernetes backend calls) against the proxy: pending (202) before the
+    agent waits, released (200) once it has; no gate is a refusal; no proxy is `ProxyUnreachable`."""
+    url, fifo = gated
+    with httpx.Client() as http:
+        client = ProxyClient(http, url)
+        assert client.claim() is False  # taken; the agent is not at the gate yet
+        proc = agent(fifo, "/bin/echo", "released")
+        assert proc.communicate(timeout=10)[0] == "released\n"
+        deadline = time.monotonic() + 5
+        while not client.claim():  # idempotent: once released, every claim says so
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with serve(FakeEngine()) as engine_url:
+            settings = ProxySettings(upstream=engine_url, journal=tmp_path / "j2", run="r", trial="u")
+            with serve(ProxyApp(settings)) as plain:
+                with pytest.raises(ProxyCallError, match="404") as refused:
+                    ProxyClient(http, plain).claim()
+                assert not isinstance(refused.value, ProxyUnreachable)
+        with pytest.raises(ProxyUnreachable):
+            ProxyClient(http, "http://127.0.0.1:9").claim(timeout=1.0)

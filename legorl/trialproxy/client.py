@@ -1,4 +1,5 @@
-"""`ProxyClient`: what a trial backend asks a trial's proxy: `/finish`, `/changes`, `/trajectory`, `/metrics`.
+"""`ProxyClient`: what a trial backend asks a trial's proxy: `/claim`, `/finish`, `/changes`, `/trajectory`,
+`/metrics`.
 
 Calls that cannot connect or get a 5xx are tried again with backoff; a 4xx, an answer that is not a JSON
 object, or a trajectory that breaks the contract (`legorl.api.summary`) is a `ProxyCallError` at once, with
@@ -19,13 +20,17 @@ from legorl.api.summary import TrajectorySummary
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import TrajectoryError
 
-__all__ = ["ProxyCallError", "ProxyClient"]
+__all__ = ["ProxyCallError", "ProxyClient", "ProxyUnreachable"]
 
 log = logging.getLogger(__name__)
 
 
 class ProxyCallError(Exception):
     """A trial's proxy did not answer usefully: unreachable, refused the call, or answered nonsense."""
+
+
+class ProxyUnreachable(ProxyCallError):
+    """A call that got no HTTP answer at all (the proxy is not listening yet, or is gone)."""
 
 
 class ProxyClient:
@@ -44,6 +49,25 @@ class ProxyClient:
         self.base_url = base_url.rstrip("/")
         self.attempts = max(1, attempts)
         self.sleep = sleep
+
+    def claim(self, timeout: float = 5.0) -> bool:
+        """`POST /claim`, tried once (the caller asks again on its next pass): open a warm pod's gate so its
+        agent starts. True when the agent was released at once (200); False when the proxy took the claim
+        and releases the agent as soon as it reaches the gate (202). `ProxyUnreachable` when the proxy is not
+        up; `ProxyCallError` when it refuses (404: the pod has no gate)."""
+        try:
+            response = self.http.post(
+                f"{self.base_url}/claim", timeout=httpx.Timeout(timeout, connect=min(timeout, 1.0))
+            )
+        except httpx.HTTPError as exc:
+            raise ProxyUnreachable(
+                f"the proxy did not answer POST /claim ({type(exc).__name__}: {exc})"
+            ) from exc
+        if response.status_code not in (200, 202):
+            raise ProxyCallError(
+                f"the proxy refused POST /claim: HTTP {response.status_code}: {response.text[:200]}"
+            )
+        return response.status_code == 200
 
     def finish(
         self, reason: TerminationReason, exit_code: int | None, detail: str | None

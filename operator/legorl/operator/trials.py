@@ -83,7 +83,7 @@ from legorl.operator.render.trial import (
 )
 from legorl.operator.status.trial import AgentEnd, VerifyResult, agent_end, verify_result
 from legorl.sandbox.task import Task, TaskSet
-from legorl.trialproxy.client import ProxyCallError, ProxyClient
+from legorl.trialproxy.client import ProxyCallError, ProxyClient, ProxyUnreachable
 
 log = logging.getLogger("legorl.operator.trials")
 
@@ -714,29 +714,20 @@ class KubeTrialBackend:
     def _claim(self, trial: _Trial, pod: Mapping[str, Any] | None) -> None:
         """Tell a warm pod's proxy to open the agent's gate (`POST /claim`), then mark the pod claimed by
         this launch. A proxy not up yet is asked again on the next pass (`_advance_agent`)."""
-        ip = ((pod or {}).get("status") or {}).get("podIP")
-        if not ip:
+        if pod is None or not (pod.get("status") or {}).get("podIP"):
             return
-        host = f"[{ip}]" if ":" in ip else ip
         try:
-            answer = self._http.post(
-                f"http://{host}:{self.settings.proxy_port}/claim", timeout=httpx.Timeout(5.0, connect=1.0)
-            )
-        except httpx.HTTPError as exc:
+            released = self._client(pod).claim()
+        except ProxyUnreachable as exc:
             log.debug("trial %s: its warm pod's proxy is not up yet: %s", trial.request.trial, exc)
             return
-        if answer.status_code not in (200, 202):
-            log.warning(
-                "trial %s: the claim was refused: %d %s",
-                trial.request.trial,
-                answer.status_code,
-                answer.text[:200],
-            )
+        except ProxyCallError as exc:
+            log.warning("trial %s: the claim was refused: %s", trial.request.trial, exc)
             return
         trial.claimed = self.clock()
-        if answer.status_code == 200:
+        if released:
             trial.claim_seconds = time.monotonic() - trial.created
-        started = parse_time(((pod or {}).get("status") or {}).get("startTime")) or trial.claimed
+        started = parse_time((pod.get("status") or {}).get("startTime")) or trial.claimed
         patch = claim_patch(
             self.pool, trial.request, (trial.claimed - started).total_seconds(), trial.claimed
         )
