@@ -49,6 +49,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from legorl.api.labels import POLICY_VERSION_ANNOTATION
 from legorl.controller.harness import CONFIG_DIR
 from tests.kubenode import Node, kubectl_binary, node, skip_unless_node_can_run
 from tests.node_faults import Fault, FaultDriver
@@ -472,6 +473,14 @@ def test_the_trainer_published_each_version_and_the_fleet_pod_took_them_without_
         e for e in trained.events() if e["involvedObject"]["name"] in engine and e["reason"] == "Started"
     ]
     assert len(engine) == 2 and [e.get("count", 1) for e in starts] == [1, 1], starts
+    # The fleet's status followed the syncs: the operator asked the engine pod what it serves and recorded
+    # each version on it (the trainer syncs over HTTP and changes no Kubernetes object).
+    recorded = {
+        (pod["metadata"].get("annotations") or {}).get(POLICY_VERSION_ANNOTATION)
+        for pod in watched_pods(trained)
+        if pod["metadata"]["name"] in engine
+    }
+    assert {f"v{step}" for step in range(STEPS + 1)} <= recorded, recorded
     # The trainer Job: the pod killed by the fault failed, its replacement trained to the end.
     job = trained.get("job", f"{RUN}-trainer", "-n", NS)
     assert (job["status"].get("failed"), job["status"].get("succeeded")) == (1, 1), job["status"]

@@ -29,6 +29,8 @@ from legorl.operator.handlers import build_registry
 from legorl.operator.main import kopf_settings, make_reconciler
 from legorl.operator.reconcile import Reconciler
 from legorl.operator.settings import OperatorSettings
+from legorl.proxy.testing import FakeEngine
+from tests.asgi_server import serve
 from tests.kubeapi import MockApi, OperatorHandle, mock_timeouts, run_operator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +49,13 @@ def manifests(name: str) -> list[dict[str, Any]]:
 
 def operator_test_settings(**overrides: Any) -> OperatorSettings:
     base = OperatorSettings(
-        debounce_seconds=0.05, resync_seconds=300.0, watch_timeout_seconds=5, settle_seconds=0.3
+        debounce_seconds=0.05,
+        resync_seconds=300.0,
+        watch_timeout_seconds=5,
+        settle_seconds=0.3,
+        # The played engine pods have made-up addresses (10.0.0.x): nothing may dial them off this machine.
+        # test_the_fleet_reports_the_version_its_engines_serve turns it on with an engine on loopback.
+        engine_version_seconds=0,
     )
     return replace(base, **overrides)
 
@@ -197,7 +205,13 @@ def ready_deployment(mock: MockApi, name: str, replicas: int) -> None:
 
 
 def engine_pod(
-    mock: MockApi, deployment: str, index: int, *, ready: bool, version: str | None = None
+    mock: MockApi,
+    deployment: str,
+    index: int,
+    *,
+    ready: bool,
+    version: str | None = None,
+    ip: str | None = None,
 ) -> None:
     template = mock.fetch("apps/v1", "deployments", NS, deployment)["spec"]["template"]
     name = f"{deployment}-7d9c-{index}"
@@ -224,7 +238,7 @@ def engine_pod(
         name,
         {
             "phase": "Running",
-            "podIP": f"10.0.0.{10 + index}",
+            "podIP": ip or f"10.0.0.{10 + index}",
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
             "containerStatuses": [
                 {"name": "vllm", "image": "vllm", "ready": ready, "restartCount": 0, "state": {"running": {}}}
@@ -399,6 +413,38 @@ def test_fleet_becomes_ready_scales_and_explains_itself(env_factory: Any) -> Non
     env.handle.wait_for(
         lambda: {("Normal", "AllReplicasReady"), ("Warning", "ReplicasNotReady")} <= reasons()
     )
+
+
+def test_the_fleet_reports_the_version_its_engines_serve(env_factory: Any) -> None:
+    """The trainer loads weights over HTTP and writes no Kubernetes object: the operator asks each serving
+    replica (`GET /weight_info` of a real engine double on loopback, as the trainer's sync would leave it)
+    and records the answer on the pod, so `kubectl get rolloutfleets` follows the syncs. On the old code
+    the status kept whatever the pod was created with."""
+    engine = FakeEngine()
+    engine.version = "default"  # vLLM's name for the weights it started from: the run's checkpoint, v0
+    with serve(engine) as url:
+        port = int(url.rsplit(":", 1)[1])
+        env: Env = env_factory(settings=operator_test_settings(engine_version_seconds=0.2))
+        fleet = manifests("shared-fleet-and-pool.yaml")[0]
+        fleet["spec"]["replicas"], fleet["spec"]["port"] = 1, port
+        env.mock.create(fleet)
+        env.wait_children("rolloutfleet.coder-fleet", 6)
+        ready_deployment(env.mock, "coder-fleet-engine", 1)
+        engine_pod(env.mock, "coder-fleet-engine", 0, ready=True, ip="127.0.0.1")
+        pod = "coder-fleet-engine-7d9c-0"
+
+        def served(version: str) -> bool:
+            status = env.get("rolloutfleets", "coder-fleet").get("status") or {}
+            annotations = env.mock.fetch("v1", "pods", NS, pod)["metadata"].get("annotations") or {}
+            return (
+                status.get("servedPolicyVersion") == version
+                and annotations.get(POLICY_VERSION_ANNOTATION) == version
+                and columns(env, "rolloutfleets", "coder-fleet")["Policy"] == version
+            )
+
+        env.handle.wait_for(lambda: served("v0"), timeout=TIMEOUT, what="v0 served, from /weight_info")
+        engine.version = "v2"  # a weight sync: no pod, Deployment or fleet changes
+        env.handle.wait_for(lambda: served("v2"), timeout=TIMEOUT, what="v2 served, from /weight_info")
 
 
 def test_fleet_spec_update_rolls_the_engine_and_a_crash_loop_degrades(env_factory: Any) -> None:

@@ -126,6 +126,7 @@ def _cmd_operator(args: argparse.Namespace) -> int:
                 log_level=args.log_level,
                 peering=args.peering,
                 resync_seconds=args.resync_seconds,
+                engine_version_seconds=args.engine_version_seconds,
             )
         )
     except SettingsError as exc:
@@ -326,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=300.0,
         help="re-apply every child at least this often, repairing drift (default 300)",
+    )
+    p.add_argument(
+        "--engine-version-seconds",
+        type=float,
+        default=15.0,
+        help="ask each serving engine replica which policy version it serves (GET /weight_info) this "
+        "often, for RolloutFleet status.servedPolicyVersion; 0: never (default 15)",
     )
     p.set_defaults(func=_cmd_operator)
 

@@ -16,23 +16,25 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import httpx
 from pydantic import ValidationError
 
 from legorl.api.common import Condition
 from legorl.api.conditions import rlrun_phase, set_condition
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
-from legorl.api.labels import HASH_ANNOTATION, fleet_name, pool_name
+from legorl.api.labels import HASH_ANNOTATION, POLICY_VERSION_ANNOTATION, fleet_name, pool_name
+from legorl.api.weight_versions import policy_version
 from legorl.manifests.preflight import check_resource, check_run_against_fleet
 from legorl.manifests.problems import Problem
 from legorl.operator.kube import ApiError, KubeClient
-from legorl.operator.observe import Observed
+from legorl.operator.observe import MAX_VERSION, Observed, PodView
 from legorl.operator.patch import apply_merge_patch, merge_patch
 from legorl.operator.render.common import RenderContext, owner_key
 from legorl.operator.render.fleet import LWS_API, RenderError, model_location, render_fleet
 from legorl.operator.render.pool import pod_template_hash, render_pool
 from legorl.operator.render.run import render_run, store_uri
 from legorl.operator.settings import OperatorSettings
-from legorl.operator.status.fleet import compute_fleet_status
+from legorl.operator.status.fleet import compute_fleet_status, serving_leaders
 from legorl.operator.status.pool import compute_pool_status
 from legorl.operator.status.run import ControllerReport, compute_run_status, deadline, is_terminal
 from legorl.operator.store import ObjectKey, Store
@@ -93,6 +95,8 @@ class Reconciler:
     task_sets: dict[tuple[str, str], tuple[float, list[str], bool]] = field(default_factory=dict)
     wakeups: dict[ObjectKey, asyncio.TimerHandle] = field(default_factory=dict)
     """Pending reconciles at a run's deadline."""
+    version_checks: dict[ObjectKey, asyncio.TimerHandle] = field(default_factory=dict)
+    """Each fleet's next look at what its engines serve (`settings.engine_version_seconds`)."""
     discovered: bool = False
     """Whether optional APIs (LeaderWorkerSet) have been looked up since login."""
     settle_until: float = 0.0
@@ -301,8 +305,49 @@ class Reconciler:
             errors = await self._sync_children(key, desired, observed)
             if errors:
                 error = "the API server refused children: " + "; ".join(errors)
+        if self.settings.engine_version_seconds > 0 and serving_leaders(fleet, observed.pods):
+            observed = await self._engine_versions(key[1], fleet, observed)
+            # Weight syncs change no Kubernetes object: look again while replicas serve.
+            self._check_versions_again(key)
         status = compute_fleet_status(fleet, observed, self.clock(), render_error=error)
         await self._write_status(body, status.to_wire())
+
+    async def _engine_versions(self, namespace: str, fleet: RolloutFleet, observed: Observed) -> Observed:
+        """Ask each serving replica which policy version it serves and record a changed answer on its pod
+        (`legorl.dev/policy-version`) and in what this reconcile reports. The trainer loads weights over
+        HTTP and has no Kubernetes access, so nothing else would tell the fleet's status (`kubectl get
+        rolloutfleets` showed v0 through a whole run on a real node). A replica that does not answer keeps
+        what its pod says."""
+        leaders = serving_leaders(fleet, observed.pods)
+        if not leaders:
+            return observed
+        async with httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0)) as http:
+            answers = await asyncio.gather(*(_served_version(http, p, fleet.spec.port) for p in leaders))
+        changed: dict[str, str] = {}
+        for pod, version in zip(leaders, answers, strict=True):
+            if version is None or version == pod.policy_version:
+                continue
+            try:
+                await self.client.merge_patch(
+                    "Pod",
+                    namespace,
+                    pod.name,
+                    {"metadata": {"annotations": {POLICY_VERSION_ANNOTATION: version}}},
+                )
+            except ApiError as exc:  # reported from the answer anyway; the next look writes it again
+                log.warning("could not record policy version %s on pod %s: %s", version, pod.name, exc)
+            changed[pod.name] = version
+        if not changed:
+            return observed
+        pods = [replace(p, policy_version=changed.get(p.name, p.policy_version)) for p in observed.pods]
+        return replace(observed, pods=pods)
+
+    def _check_versions_again(self, key: ObjectKey) -> None:
+        handle = self.version_checks.pop(key, None)
+        if handle is not None:
+            handle.cancel()
+        delay = self.settings.engine_version_seconds
+        self.version_checks[key] = asyncio.get_running_loop().call_later(delay, self.store.mark, key)
 
     # --- SandboxPool ----------------------------------------------------------------------
     async def _reconcile_pool(self, body: dict[str, Any]) -> None:
@@ -523,3 +568,17 @@ class Reconciler:
         if body["kind"] == "RLRun":
             status["phase"], status["reason"] = "Invalid", "InvalidSpec"
         await self._write_status(body, status)
+
+
+async def _served_version(http: httpx.AsyncClient, pod: PodView, port: int) -> str | None:
+    """The policy version one engine pod serves (vLLM's startup `default` is `v0`), or None when it does
+    not say (not up, no dev-mode routes, or an answer without `weight_version`)."""
+    host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
+    try:
+        response = await http.get(f"http://{host}:{port}/weight_info")
+        body = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as exc:
+        log.debug("engine pod %s did not say what it serves: %s", pod.name, exc)
+        return None
+    version = body.get("weight_version") if isinstance(body, dict) else None
+    return policy_version(version) if isinstance(version, str) and 0 < len(version) <= MAX_VERSION else None

@@ -43,6 +43,10 @@ class OperatorSettings:
     """Objects reconciled at once."""
     watch_timeout_seconds: int = 300
     """Server-side watch timeout (kopf re-establishes the watch after it)."""
+    engine_version_seconds: float = 15.0
+    """How often the operator asks each serving engine replica which policy version it serves (`GET
+    /weight_info`) and records the answer on its pod (`legorl.dev/policy-version`), which a RolloutFleet's
+    `servedPolicyVersion` reports. 0: never asked (the annotation is then left to whoever loads weights)."""
 
 
 def from_environment(base: OperatorSettings, env: Mapping[str, str] | None = None) -> OperatorSettings:

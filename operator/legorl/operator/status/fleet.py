@@ -46,6 +46,14 @@ def _leader(fleet: RolloutFleet, group: list[PodView]) -> PodView | None:
     )
 
 
+def serving_leaders(fleet: RolloutFleet, pods: list[PodView]) -> list[PodView]:
+    """Each replica's leader that is ready and has an address (the pods that answer `GET /weight_info`),
+    by name."""
+    groups = _groups(fleet, [p for p in pods if not p.deleting])
+    leaders = (_leader(fleet, group) for group in groups.values())
+    return sorted((p for p in leaders if p is not None and p.ready and p.ip), key=lambda p: p.name)
+
+
 @dataclass
 class _Replicas:
     """What the pods say about the fleet's replicas."""
