@@ -25,7 +25,15 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from legorl.api.figures import EvalSummary, StepFigures
-from legorl.api.run import Algorithm, FidelityGuard, Schedule, StopConditions, TrainerSpec, TrajectoryFilter
+from legorl.api.run import (
+    Algorithm,
+    FidelityGuard,
+    RLRunSpec,
+    Schedule,
+    StopConditions,
+    TrainerSpec,
+    TrajectoryFilter,
+)
 from legorl.api.store import RunStore, StoreError, StoreLayout, parse_policy_version
 from legorl.api.termination import INFRA_REASONS
 from legorl.api.timestamps import parse_time
@@ -196,46 +204,49 @@ class SpecFacts(_Facts):
 
     @classmethod
     def from_run(cls, run: Mapping[str, Any] | None) -> SpecFacts:
-        """Read an RLRun (Kubernetes JSON, camelCase) leniently: absent or odd values keep the defaults."""
-        spec = _dict((run or {}).get("spec"))
-        d = cls()
-        fidelity, schedule = _dict(spec.get("fidelity")), _dict(spec.get("schedule"))
-        algo, filt = _dict(spec.get("algorithm")), _dict(spec.get("filter"))
-        sampling, trainer = _dict(algo.get("sampling")), _dict(spec.get("trainer"))
-        fleet, pool, harness = _dict(spec.get("fleet")), _dict(spec.get("pool")), _dict(spec.get("harness"))
-        engine = _dict(fleet.get("settings"))
-        drop = filt.get("dropReasons")
-        mode = schedule.get("mode")
+        """Read an RLRun (Kubernetes JSON) through `RLRunSpec`, leniently (`ApiModel.lenient`): a valid spec
+        is validated once; in an invalid or partial one each value that does not validate, and each one
+        left out, keeps the API default, and the others are read."""
+        spec = RLRunSpec.lenient(_dict((run or {}).get("spec")))
+        algo, filt, trainer = spec.algorithm, spec.filter, spec.trainer
+        harness = _given(spec, "harness")
+        # Only an inline fleet or pool has its settings in the run; a shared one's (fleetRef, poolRef) leave
+        # their facts None.
+        inline: dict[str, Any] = {}
+        if spec.fleet is not None:
+            engine = spec.fleet.settings
+            inline.update(
+                fleet_dtype=engine.dtype,
+                routed_experts_capture=engine.routed_experts_capture,
+                prefix_caching=engine.prefix_caching,
+                tool_call_parser=engine.tool_call_parser,
+                weight_sync_pause_mode=spec.fleet.weight_sync.pause_mode,
+            )
+        if spec.pool is not None:
+            inline.update(
+                pre_pull_policy=spec.pool.pre_pull.policy, runtime_class_name=spec.pool.runtime_class_name
+            )
         return cls(
-            min_correlation=_float(fidelity.get("minCorrelation"), d.min_correlation),
-            window_steps=_int(fidelity.get("windowSteps"), d.window_steps),
-            fidelity_action=_str(fidelity.get("action")) or d.fidelity_action,
-            schedule_mode=mode if mode in ("Sync", "Async") else d.schedule_mode,
-            max_staleness_steps=_int(schedule.get("maxStalenessSteps"), None),
-            group_size=_int(algo.get("groupSize"), d.group_size),
-            tasks_per_step=_int(algo.get("tasksPerStep"), d.tasks_per_step),
-            mini_batches=_int(algo.get("miniBatches"), d.mini_batches),
-            importance_mode=_str(_dict(algo.get("importanceCorrection")).get("mode")) or d.importance_mode,
-            temperature=_float(sampling.get("temperature"), d.temperature),
-            top_p=_float(sampling.get("topP"), d.top_p),
-            drop_reasons=[str(r) for r in drop] if isinstance(drop, list) else d.drop_reasons,
-            zero_variance_groups=_str(filt.get("zeroVarianceGroups")) or d.zero_variance_groups,
-            max_infra_failure_percent=_int(
-                _dict(spec.get("stop")).get("maxInfraFailurePercent"), d.max_infra_failure_percent
-            ),
-            harness=_str(harness.get("kind")),
-            max_turns=_int(harness.get("maxTurns"), None),
-            trainer_dtype=_str(trainer.get("dtype")) or d.trainer_dtype,
-            routing_replay=_str(trainer.get("routingReplay")) or d.routing_replay,
-            fleet_dtype=(_str(engine.get("dtype")) or "auto") if fleet else None,
-            routed_experts_capture=(_str(engine.get("routedExpertsCapture")) or "Enabled") if fleet else None,
-            prefix_caching=(_str(engine.get("prefixCaching")) or "Enabled") if fleet else None,
-            tool_call_parser=_str(engine.get("toolCallParser")),
-            weight_sync_pause_mode=(
-                (_str(_dict(fleet.get("weightSync")).get("pauseMode")) or "Keep") if fleet else None
-            ),
-            pre_pull_policy=(_str(_dict(pool.get("prePull")).get("policy")) or "All") if pool else None,
-            runtime_class_name=_str(pool.get("runtimeClassName")),
+            min_correlation=float(spec.fidelity.min_correlation),
+            window_steps=spec.fidelity.window_steps,
+            fidelity_action=spec.fidelity.action,
+            schedule_mode=spec.schedule.mode,
+            max_staleness_steps=spec.schedule.max_staleness_steps,
+            group_size=algo.group_size,
+            tasks_per_step=algo.tasks_per_step,
+            mini_batches=algo.mini_batches,
+            importance_mode=algo.importance_correction.mode,
+            temperature=float(algo.sampling.temperature),
+            top_p=float(algo.sampling.top_p),
+            drop_reasons=[str(r) for r in filt.drop_reasons],
+            zero_variance_groups=filt.zero_variance_groups,
+            max_infra_failure_percent=spec.stop.max_infra_failure_percent,
+            harness=_given(harness, "kind"),
+            # None, not the API's 100, when the spec leaves it out: the rules then name no number.
+            max_turns=_given(harness, "max_turns"),
+            trainer_dtype=trainer.dtype,
+            routing_replay=trainer.routing_replay,
+            **inline,
         )
 
 
@@ -495,6 +506,11 @@ def _scalars(metrics: Mapping[str, Any]) -> dict[str, float | int | str | None]:
     }
 
 
+def _given(model: BaseModel | None, name: str) -> Any:
+    """MODEL's field NAME when the document gave it (a valid value), else None (not the API default)."""
+    return getattr(model, name) if model is not None and name in model.model_fields_set else None
+
+
 def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
@@ -518,13 +534,3 @@ def _int(value: Any, default: int | None) -> int | None:
         except ValueError:
             return default
     return default
-
-
-def _float(value: Any, default: float) -> float:
-    if isinstance(value, bool):
-        return default
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return default
-    return number if math.isfinite(number) else default
