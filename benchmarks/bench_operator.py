@@ -1,7 +1,7 @@
 """Benchmark: the operator reconciling N RLRuns, each with its fleet and pool, against a naive baseline.
 
 Three variants, measured one after the other in the same run under the same conditions, each against a
-fresh API mock (`tests/kubeapi.py`, served from a process of its own, as a real API server would be):
+fresh API mock (`tests/support/kubeapi.py`, served from a process of its own, as a real API server would be):
 
 - optimized: `Reconciler` as shipped: apply only children whose desired-state hash changed, patch the
   status only when it changed, read observed state from the watch-fed `Store`;
@@ -59,7 +59,7 @@ import kopf
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-# The API mock is the test harness's (tests/kubeapi.py): a plain `python benchmarks/bench_operator.py`
+# The API mock is the test harness's (tests/support/kubeapi.py): a plain `python benchmarks/bench_operator.py`
 # needs the repository root on sys.path to import it.
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -77,7 +77,7 @@ from legorl.operator.render.pool import render_pool  # noqa: E402
 from legorl.operator.render.run import render_run  # noqa: E402
 from legorl.operator.settings import OperatorSettings  # noqa: E402
 from legorl.operator.store import CUSTOM_KINDS, ObjectKey, Store  # noqa: E402
-from tests.kubeapi import MockApi, mock_timeouts  # noqa: E402
+from tests.support.kubeapi import MockApi, mock_timeouts  # noqa: E402
 
 NS = "default"
 GV = "legorl.dev/v1alpha1"

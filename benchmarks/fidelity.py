@@ -70,7 +70,7 @@ def stats_row(name: str, trainer: PolicyTrainer, trials: list[TrialRecord]) -> d
 def vllm_rows(model_dir: Path, store: Path, trainer: PolicyTrainer, new_tokens: int) -> list[dict[str, Any]]:
     import httpx  # noqa: PLC0415
 
-    from tests.engine import SERVED_MODEL_NAME, VllmServer  # noqa: PLC0415
+    from tests.support.engine import SERVED_MODEL_NAME, VllmServer  # noqa: PLC0415
 
     rows = []
     for dtype in ("float32", "bfloat16"):

@@ -34,7 +34,7 @@ from legorl.proxy.app import ProxyApp  # noqa: E402
 from legorl.proxy.journal import FILENAME, encode_record, read_journal  # noqa: E402
 from legorl.proxy.settings import ProxySettings  # noqa: E402
 from legorl.proxy.testing import FakeEngine  # noqa: E402
-from tests.asgi_server import serve  # noqa: E402
+from tests.support.asgi_server import serve  # noqa: E402
 
 FILLER = "the quick brown fox reads the repository, runs the tests, edits a file and reads the diff again; "
 

@@ -1,6 +1,6 @@
 """An RLRun on the real node against the same run on the embedded default: start, pods, throughput, sync.
 
-The node run is tests/test_node_run.py's (`run_on_node`: the contained one-node Kubernetes 1.20 cluster,
+The node run is tests/e2e/test_node_run.py's (`run_on_node`: the contained one-node Kubernetes 1.20 cluster,
 the chart installed, `kubectl apply` of an RLRun of builtin://tiny-swe on two bundled tiny-python tasks with
 MiniSweAgent, GRPO 2 tasks × 4 trials per step, 2 steps, Sync, its next 4 trials kept warm), and the same
 run with no warm trials (`node-cold`: every trial pod starts when its trial is launched). The baseline is the
@@ -27,12 +27,14 @@ each, the order reversed every repeat) so that a drift of the machine falls on a
     python benchmarks/node_run.py [--repeats 1] [--out benchmarks/results/node_run.json]
     python benchmarks/node_run.py --faults [--out benchmarks/results/node_faults.json]
 
-`--faults` runs the node's RLRun once with tests/node_faults.py's faults injected while it trains (a trial
+`--faults` runs the node's RLRun once with tests/support/node_faults.py's faults injected while it trains (a
+trial
 pod deleted, the operator and the trainer killed with SIGKILL, the kubelet restarted, the fleet pod deleted)
 and writes the fault table: per fault, when it came, what happened, and from the run store `lost`,
 `duplicated` and `orphaned`.
 
-Needs what tests/test_node_run.py needs (scripts/get-kube.sh, scripts/get-node.sh, scripts/build-images.sh,
+Needs what tests/e2e/test_node_run.py needs (scripts/get-kube.sh, scripts/get-node.sh,
+scripts/build-images.sh,
 scripts/get-helm.sh, root). Writes the results file; README and docs/real-node.md copy figures from it.
 """
 
@@ -238,7 +240,7 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
         result = {
             "what": "the node's RLRun (as benchmarks/node_run.py) with faults injected while it trains "
-            "(tests/node_faults.py)",
+            "(tests/support/node_faults.py)",
             "command": "python benchmarks/node_run.py --faults",
             "commit": git_commit(),
             "machine": f"{os.cpu_count()} CPUs, {platform.machine()}",

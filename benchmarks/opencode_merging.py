@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
 
 from provenance import git_commit  # noqa: E402
 
-from tests.asgi_server import free_port  # noqa: E402
+from tests.support.asgi_server import free_port  # noqa: E402
 
 OPENCODE_VERSION = "1.18.33"
 NPM_HOME = Path.home() / ".cache" / "legorl" / "npm" / f"opencode-{OPENCODE_VERSION}"

@@ -58,7 +58,7 @@ if str(REPO) not in sys.path:
 
 from provenance import git_commit  # noqa: E402
 
-from tests.asgi_server import free_port  # noqa: E402
+from tests.support.asgi_server import free_port  # noqa: E402
 
 PATH = "/v1/chat/completions"
 MODES = ("unary", "stream")

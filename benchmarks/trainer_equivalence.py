@@ -2,7 +2,8 @@
 
     python benchmarks/trainer_equivalence.py      # about 6 minutes on 2 CPUs
 
-Every run is tests/trainer_ranks.py (a real `TrainingService` under torchrun, gloo) on the same committed
+Every run is tests/support/trainer_ranks.py (a real `TrainingService` under torchrun, gloo) on the same
+committed
 batch of the tiny MoE with routing replay on: the full-vocabulary logits before the step, the gradients after
 the layout's reductions, the weights the writer publishes as v1, the step's figures. Each layout is compared
 with the one-rank run of the same dtype: max |Δ logit|, max |Δ grad|, max |Δ weight|, the loss's relative

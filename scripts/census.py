@@ -17,7 +17,7 @@ two trees measured the same way, not as exact facts:
   trial pods' annotations, `legorl.api.annotations`), `launch_env` (string literals naming the trainer's
   launch variables, `legorl.api.launch`) and `spec_status` (camelCase fields of the three CRDs' spec and
   status models, outside `legorl/api/` and the operator's `status/` and `render/` that write them);
-  `total` is the sum. `tests/test_census.py` keeps `total` at or below `scripts/census-ceiling.json`.
+  `total` is the sum. `tests/project/test_census.py` keeps `total` at or below `scripts/census-ceiling.json`.
 - `label_literals`: string literals `"legorl.dev/..."` (label and annotation keys, not apiVersions),
   definitions included.
 - `store_path_literals`: string literals naming a run-store path (`batches/`, `weights/`, `metrics/`,

@@ -34,5 +34,5 @@ fi
 # The trainer's extra after the engine, so its torch requirement is met by the CPU build above
 # rather than pulling a CUDA torch from PyPI.
 .venv/bin/python -c 'import megatron.core' >/dev/null 2>&1 || "${PIP[@]}" -e '.[trainer]'
-# The harness CLIs the end-to-end tests drive through the launcher (tests/test_proxy_vllm_harnesses.py).
+# The harness CLIs the end-to-end tests drive through the launcher (tests/proxy/test_proxy_vllm_harnesses.py).
 bash scripts/get-harnesses.sh >/dev/null

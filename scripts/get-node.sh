@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what a real Kubernetes node needs beside scripts/get-kube.sh's binaries (tests/kubenode.py
+# Install what a real Kubernetes node needs beside scripts/get-kube.sh's binaries (tests/support/kubenode.py
 # starts one, contained in a network namespace): a Docker engine for the kubelet's dockershim
 # (docker.io, with runc and containerd), the CNI bridge and host-local plugins in /usr/lib/cni
 # (containernetworking-plugins), dnsmasq (the test cluster's stand-in for CoreDNS, which no Debian

@@ -15,7 +15,7 @@ import pytest
 from legorl.cli.main import main
 
 if TYPE_CHECKING:
-    from tests.vllm_proxy import Engine
+    from tests.support.vllm_proxy import Engine
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -53,11 +53,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--with-cluster",
         action="store_true",
         default=False,
-        help="also run tests/test_cluster.py against the cluster in $KUBECONFIG (makes a namespace)",
+        help="also run tests/operator/test_cluster.py against the cluster in $KUBECONFIG (makes a namespace)",
     )
 
 
+E2E = REPO / "tests" / "e2e"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Everything under tests/e2e/ drives the whole system (a real node, the embedded default): slow by
+    # where it lives, so `pytest -m "not slow"` never starts one.
+    slow = pytest.mark.slow
+    for item in items:
+        if item.path.is_relative_to(E2E):
+            item.add_marker(slow)
     if config.getoption("--with-cluster"):
         return
     skip = pytest.mark.skip(reason="needs a real cluster: pytest --with-cluster (uses $KUBECONFIG)")
@@ -67,9 +76,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 class _SharedVllm:
-    """One vLLM server (`tests.vllm_proxy.start_engine`) for consecutive tests that use `vllm_engine`.
+    """One vLLM server (`tests.support.vllm_proxy.start_engine`) for consecutive tests that use `vllm_engine`.
 
-    Starting vLLM costs 30-120 s, so the tests of tests/test_proxy_vllm.py and the harness CLI tests
+    Starting vLLM costs 30-120 s, so the tests of tests/proxy/test_proxy_vllm.py and the harness CLI tests
     (which run one after the other: their modules sort together) share one. It is started by the
     first test that asks for it and stopped as soon as the next test does not, so it does not sit on
     ~3 GB and its threads through the rest of the suite; a later test that asks again gets a new one.
@@ -82,7 +91,7 @@ class _SharedVllm:
     def get(self, factory: pytest.TempPathFactory) -> Engine:
         if self._engine is None:
             # Imports the SDKs and the proxy: only in a run that needs the engine.
-            from tests.vllm_proxy import start_engine  # noqa: PLC0415
+            from tests.support.vllm_proxy import start_engine  # noqa: PLC0415
 
             with ExitStack() as stack:
                 self._engine = stack.enter_context(start_engine(factory.mktemp("vllm")))
@@ -101,7 +110,8 @@ _VLLM = _SharedVllm()
 
 @pytest.fixture
 def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    """vLLM (CPU, fp32) serving the tiny random Qwen3-MoE behind a recording tap (tests/vllm_proxy.py),
+    """vLLM (CPU, fp32) serving the tiny random Qwen3-MoE behind a recording tap
+    (tests/support/vllm_proxy.py),
     shared with the neighbouring tests that use it (see `_SharedVllm`)."""
     return _VLLM.get(tmp_path_factory)
 

@@ -2,7 +2,7 @@
 -- The operator derives status.phase from the run's conditions; this maps it onto Argo CD's states the
 -- way Argo CD treats Jobs and Workflows: a run that is still working is Progressing, a finished one
 -- Healthy, a failed, invalid or degraded one Degraded, a suspended one Suspended.
--- Lua 5.1 (Argo CD's gopher-lua); tested in tests/test_argocd_health.py.
+-- Lua 5.1 (Argo CD's gopher-lua); tested in tests/operator/test_argocd_health.py.
 local hs = {}
 
 local function condition(type_)

@@ -3,7 +3,7 @@
 -- conditions: Degraded when the operator says so (crash loops, pull failures, an invalid spec, a
 -- rollout past its deadline, version skew), Healthy when every replica serves (a weight sync between
 -- training steps included) or the fleet is scaled to zero, Progressing while replicas come up.
--- Lua 5.1 (Argo CD's gopher-lua); tested in tests/test_argocd_health.py.
+-- Lua 5.1 (Argo CD's gopher-lua); tested in tests/operator/test_argocd_health.py.
 local hs = {}
 
 local function condition(type_)

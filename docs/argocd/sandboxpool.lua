@@ -3,7 +3,7 @@
 -- DefensesVerified and Degraded conditions: Degraded when the operator says so (pulls failed, no
 -- matching nodes, a failed defense self-test, warm sandboxes failing) or the spec is invalid, Healthy
 -- when trials can start, Progressing while images are pulled or the self-test runs.
--- Lua 5.1 (Argo CD's gopher-lua); tested in tests/test_argocd_health.py.
+-- Lua 5.1 (Argo CD's gopher-lua); tested in tests/operator/test_argocd_health.py.
 local hs = {}
 
 local function condition(type_)

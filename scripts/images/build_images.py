@@ -726,7 +726,7 @@ def torch_wheelhouse() -> Iterator[dict[str, str]]:
 
 TASK_IMAGES = 2
 """How many of the bundled tiny-python tasks get an image: the first ones of the set, which the real node's
-RLRun (tests/test_node_run.py) draws its trials from."""
+RLRun (tests/e2e/test_node_run.py) draws its trials from."""
 
 
 def build_task_image(docker: Docker, work: Path) -> tuple[Result, Callable[[], list[str]]]:

@@ -176,7 +176,7 @@ def collect_test_ids(path: str, source: str) -> list[str]:
 # The templates are package data: tiny-python/<package>.toml holds a package and its bugs, and
 # tiny-python/set.toml the packages' order. Each package's visible tests must pass with every one of
 # its bugs planted, and each bug's hidden tests must fail at base, pass with the fix and (some) fail
-# with the wrong fix: the tests in tests/test_sandbox_bundled.py check all of this for every task.
+# with the wrong fix: the tests in tests/sandbox/test_sandbox_bundled.py check all of this for every task.
 # ---------------------------------------------------------------------------------------------------
 
 TEMPLATES = "tiny-python"

@@ -16,7 +16,7 @@ The (found, expected) pairs are partitioned between the splits before any task i
 names that is the fix of a validation or test task is never the fix of a training task, in either
 order. Every name occurs in every split, so the tokens are familiar and only the reading is new. No two
 tasks share a module's text, and no patch text is shared across splits (the tests in
-tests/test_sandbox_reading.py check all three).
+tests/sandbox/test_sandbox_reading.py check all three).
 
 Deterministic: a fixed seed draws the packages, modules, functions, names, bugs and splits, and the
 repositories are built by `legorl.sandbox.bundled`'s generator (same bytes on every run with the same

@@ -1,6 +1,6 @@
 """HF safetensors <-> Megatron GPTModel weights for Qwen3(-MoE): load, export, and write a HF checkpoint.
 
-Tensor rules (checked bit-exactly and against transformers' logits in tests/test_trainer_model.py):
+Tensor rules (checked bit-exactly and against transformers' logits in tests/trainer/test_trainer_model.py):
 - q/k/v fuse into `linear_qkv` grouped per KV head: for each of the G groups, its r = heads/G query heads,
   then its key head, then its value head (q viewed [G, r·d, H], k and v [G, d, H], joined on dim 1).
 - an expert's (or dense MLP's) `linear_fc1` is the gate rows then the up rows; `linear_fc2` is down.
@@ -15,7 +15,7 @@ At any parallel layout: tensor parallelism cuts each parameter along one dimensi
 hold a range of layers (numbered from 0 on each stage; `layer_number` says which), expert-parallel ranks a
 range of experts (`local_expert_indices`). `load_hf_weights` gives every rank only its slices, reading just
 those from the safetensors files; `gather_hf_state_dict` assembles the whole model on the writer, the same
-tensors bit for bit from every layout (tests/test_trainer_parallel.py).
+tensors bit for bit from every layout (tests/trainer/test_trainer_parallel.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Qwen3-MoE (`qwen3_moe`) and dense Qwen3 (`qwen3`) map onto Megatron's local (non-Transformer-Engine)
 layer spec. The mapping that makes Megatron compute what transformers and vLLM compute (measured against
-transformers in tests/test_trainer_model.py; every item shifts logits by 1–40 when wrong):
+transformers in tests/trainer/test_trainer_model.py; every item shifts logits by 1–40 when wrong):
 grouped-query attention with `num_query_groups = num_key_value_heads`; `kv_channels = head_dim` (Qwen3's
 head_dim is not hidden/heads in general); per-head RMSNorm on q and k (`qk_layernorm`); RMSNorm with the
 checkpoint's eps; SwiGLU (`gated_linear_unit` + SiLU) without biases; RoPE with the checkpoint's theta,

@@ -63,7 +63,7 @@ class TrainerSettings(BaseModel):
     # Trainer.
     dtype: Literal["bfloat16", "float32", "float64"] = "float32"
     """Model dtype. The RLRun offers bfloat16 and float32; float64 exists for exactness tests (layouts
-    compared without fp32 rounding: tests/test_trainer_parallel.py)."""
+    compared without fp32 rounding: tests/trainer/test_trainer_parallel.py)."""
     routing_replay: Literal["Auto", "Enabled", "Disabled"] = "Auto"
     recompute: Literal["none", "selective", "full"] = "none"
     max_tokens_per_micro_batch: Annotated[int, Field(ge=16)] = 16_384
