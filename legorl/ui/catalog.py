@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from legorl.api.run import RLRunStatus
 from legorl.api.store import StoreLayout
 
 from .data import NotFound, StoreData
 from .kube import ApiError, KubeSource
+from .resources import status_of
 from .settings import UiSettings
 
 __all__ = ["Catalog", "RunEntry"]
@@ -31,6 +33,8 @@ class RunEntry:
     store: StoreData | None = None
     resource: dict[str, Any] | None = None
     """The RLRun as the API server holds it (cluster runs only)."""
+    status: RLRunStatus = field(default_factory=RLRunStatus)
+    """The RLRun's status, typed (`resources.status_of`; the defaults for a local run store)."""
     store_note: str | None = None
     """Why the run store cannot be read, when it cannot."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -117,7 +121,8 @@ class Catalog:
     def _cluster_entry(self, body: dict[str, Any]) -> RunEntry:
         meta = body.get("metadata") or {}
         namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name") or "")
-        uri, note = self.resolve_store_uri((body.get("status") or {}).get("storeUri"))
+        status = status_of(RLRunStatus, body)
+        uri, note = self.resolve_store_uri(status.store_uri)
         store = None
         if uri is not None:
             try:
@@ -130,6 +135,7 @@ class Catalog:
             namespace=namespace,
             store=store,
             resource=body,
+            status=status,
             store_note=note,
         )
 

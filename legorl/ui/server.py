@@ -35,6 +35,7 @@ from typing import Any, Final
 from urllib.parse import parse_qs, unquote
 
 import httpx
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
@@ -45,6 +46,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from legorl.api import __version__
+from legorl.api.common import LocalObjectReference
+from legorl.api.fleet import RolloutFleetSpec, RolloutFleetStatus
 from legorl.api.labels import (
     POLICY_VERSION_ANNOTATION,
     RUN_LABEL,
@@ -53,12 +56,15 @@ from legorl.api.labels import (
     owned_fleet_name,
     owned_pool_name,
 )
+from legorl.api.pool import SandboxPoolStatus
+from legorl.api.run import RLRunSpec
 from legorl.api.store import StoreError
 
 from . import diag
 from .catalog import Catalog, RunEntry
 from .data import REASONS, SORT_KEYS, NotFound, TrialQuery
 from .kube import ApiError, KubeSource, pod_stage
+from .resources import read_field, reported, status_of
 from .settings import UiSettings
 
 __all__ = ["CSP", "UiApp", "start_in_thread"]
@@ -389,22 +395,23 @@ class UiApp:
                 row["store_note"] = f"cannot read the run store: {exc}"
         row.setdefault("conditions", [])
         if entry.resource is not None:
-            status = entry.resource.get("status") or {}
-            metrics = status.get("metrics") or {}
-            row["phase"] = status.get("phase") or "Pending"
-            row["conditions"] = status.get("conditions") or []
-            row["reason"] = status.get("reason") or ""
+            status = entry.status
+            metrics, trials = status.metrics, status.trials
+            row["phase"] = status.phase
+            row["conditions"] = [_wire(c) for c in status.conditions]
+            row["reason"] = status.reason
+            # What the status does not report (yet) leaves the store's figure standing.
             for key, value in (
-                ("step", status.get("step")),
-                ("policy_version", status.get("policyVersion")),
-                ("reward_mean", metrics.get("rewardMean")),
-                ("held_out", metrics.get("heldOutSolveRate")),
-                ("baseline", metrics.get("baselineSolveRate")),
-                ("fidelity", metrics.get("fidelityCorrelation")),
-                ("trials_per_minute", metrics.get("trialsPerMinute")),
-                ("trials_total", (status.get("trials") or {}).get("total")),
-                ("trials_running", (status.get("trials") or {}).get("running")),
-                ("suspended", (entry.resource.get("spec") or {}).get("suspend", False)),
+                ("step", status.step if reported(status, "step") else None),
+                ("policy_version", status.policy_version),
+                ("reward_mean", metrics.reward_mean),
+                ("held_out", metrics.held_out_solve_rate),
+                ("baseline", metrics.baseline_solve_rate),
+                ("fidelity", metrics.fidelity_correlation),
+                ("trials_per_minute", metrics.trials_per_minute),
+                ("trials_total", trials.total if reported(trials, "total") else None),
+                ("trials_running", trials.running if reported(trials, "running") else None),
+                ("suspended", bool(read_field(RLRunSpec, entry.resource.get("spec"), "suspend"))),
             ):
                 if value is not None:
                     row[key] = value
@@ -447,20 +454,20 @@ class UiApp:
             out.update(await asyncio.to_thread(entry.store.overview))
         if entry.resource is not None:
             out["spec"] = entry.resource
-            status = entry.resource.get("status") or {}
-            out["conditions"] = status.get("conditions") or []
-            out["preflight"] = status.get("preflight") or []
-            out["status"] = status
-            validation = status.get("validation")
-            if isinstance(validation, dict):  # the RLRun's status is the newest word on its canary
+            status = entry.status
+            out["conditions"] = [_wire(c) for c in status.conditions]
+            out["preflight"] = [_wire(p) for p in status.preflight]
+            out["status"] = entry.resource.get("status") or {}  # shown as the API server holds it
+            validation = status.validation
+            if validation is not None:  # the RLRun's status is the newest word on its canary
                 out["validation"] = {
                     "source": "cluster",
-                    "requested": validation.get("requested"),
-                    "state": validation.get("state"),
-                    "message": validation.get("message"),
-                    "time": validation.get("completionTime") or validation.get("startTime"),
-                    "trial": validation.get("trial"),
-                    "checks": validation.get("checks") or [],
+                    "requested": validation.requested,
+                    "state": validation.state,
+                    "message": validation.message if reported(validation, "message") else None,
+                    "time": validation.completion_time or validation.start_time,
+                    "trial": validation.trial,
+                    "checks": [_wire(c) for c in validation.checks],
                 }
             out["events"] = await self._events(entry)
         else:
@@ -587,30 +594,30 @@ class UiApp:
             if body is None:
                 out["note"] = f"RolloutFleet {name!r} does not exist (yet)"
                 return out
-            status = body.get("status") or {}
-            pods = await self._selected_pods(entry.namespace, status.get("selector") or "")
+            status = status_of(RolloutFleetStatus, body)
+            spec_replicas = read_field(RolloutFleetSpec, body.get("spec"), "replicas")
+            pods = await self._selected_pods(entry.namespace, status.selector)
             by_name = {(p.get("metadata") or {}).get("name"): p for p in pods}
             replicas = []
-            endpoints = status.get("endpoints") or []
-            for ep in endpoints:
-                pod = by_name.pop(ep.get("name"), None)
-                replicas.append(await self._replica(ep.get("name"), ep.get("url"), ep, pod))
+            for ep in status.endpoints:
+                pod = by_name.pop(ep.name, None)
+                replicas.append(await self._replica(ep.name, ep.url, ep.ready, ep.policy_version, pod))
             for pod_name, pod in by_name.items():
-                replicas.append(await self._replica(pod_name, None, {}, pod))
+                replicas.append(await self._replica(pod_name, None, None, None, pod))
             out.update(
                 available=True,
                 source="cluster",
                 name=name,
-                spec_replicas=(body.get("spec") or {}).get("replicas"),
-                ready_replicas=status.get("readyReplicas", 0),
-                served_policy_version=status.get("servedPolicyVersion"),
-                conditions=status.get("conditions") or [],
+                spec_replicas=spec_replicas,
+                ready_replicas=status.ready_replicas,
+                served_policy_version=status.served_policy_version,
+                conditions=[_wire(c) for c in status.conditions],
                 replicas=replicas,
             )
             return out
         url = self.settings.engine_url(entry.name)
         if url is not None:
-            replica = await self._replica("local engine", url, {"ready": None}, None)
+            replica = await self._replica("local engine", url, None, None, None)
             out.update(
                 available=True,
                 source="local",
@@ -633,14 +640,14 @@ class UiApp:
         return await self.kube.pods(namespace, labels)
 
     async def _replica(
-        self, name: str | None, url: str | None, endpoint: dict[str, Any], pod: dict[str, Any] | None
+        self,
+        name: str | None,
+        url: str | None,
+        ready: bool | None,
+        policy_version: str | None,
+        pod: dict[str, Any] | None,
     ) -> dict[str, Any]:
-        replica: dict[str, Any] = {
-            "name": name,
-            "url": url,
-            "ready": endpoint.get("ready"),
-            "policy_version": endpoint.get("policyVersion"),
-        }
+        replica: dict[str, Any] = {"name": name, "url": url, "ready": ready, "policy_version": policy_version}
         if pod is not None:
             meta, status = pod.get("metadata") or {}, pod.get("status") or {}
             replica["phase"] = status.get("phase")
@@ -704,7 +711,7 @@ class UiApp:
                         "reason": status.get("reason"),
                     }
                 )
-            pstatus = (pool or {}).get("status") or {}
+            pstatus = status_of(SandboxPoolStatus, pool)
             out.update(
                 available=True,
                 source="cluster",
@@ -712,14 +719,14 @@ class UiApp:
                 if pool is None
                 else {
                     "name": name,
-                    "conditions": pstatus.get("conditions") or [],
-                    "images_desired": pstatus.get("imagesDesired", 0),
-                    "images_cached": pstatus.get("imagesCached", 0),
-                    "nodes": pstatus.get("nodes") or [],
-                    "replicas": pstatus.get("replicas", 0),
-                    "ready_replicas": pstatus.get("readyReplicas", 0),
-                    "leased_replicas": pstatus.get("leasedReplicas", 0),
-                    "self_test": pstatus.get("selfTest") or {},
+                    "conditions": [_wire(c) for c in pstatus.conditions],
+                    "images_desired": pstatus.images_desired,
+                    "images_cached": pstatus.images_cached,
+                    "nodes": [_wire(n) for n in pstatus.nodes],
+                    "replicas": pstatus.replicas,
+                    "ready_replicas": pstatus.ready_replicas,
+                    "leased_replicas": pstatus.leased_replicas,
+                    "self_test": _wire(pstatus.self_test),
                 },
                 pool_note=None if pool is not None else f"SandboxPool {name!r} does not exist (yet)",
                 stages=dict(stages),
@@ -823,19 +830,20 @@ async def _read_body(request: Request) -> bytes:
 
 
 def _fleet_name(entry: RunEntry) -> str:
-    res = entry.resource or {}
-    status, spec = res.get("status") or {}, res.get("spec") or {}
-    return str(
-        status.get("fleetName") or (spec.get("fleetRef") or {}).get("name") or owned_fleet_name(entry.name)
-    )
+    """The RolloutFleet the run uses: as its status names it, else its spec's reference, else its own."""
+    ref: LocalObjectReference | None = read_field(RLRunSpec, (entry.resource or {}).get("spec"), "fleet_ref")
+    return entry.status.fleet_name or (ref.name if ref else None) or owned_fleet_name(entry.name)
 
 
 def _pool_name(entry: RunEntry) -> str:
-    res = entry.resource or {}
-    status, spec = res.get("status") or {}, res.get("spec") or {}
-    return str(
-        status.get("poolName") or (spec.get("poolRef") or {}).get("name") or owned_pool_name(entry.name)
-    )
+    """The SandboxPool the run uses: as its status names it, else its spec's reference, else its own."""
+    ref: LocalObjectReference | None = read_field(RLRunSpec, (entry.resource or {}).get("spec"), "pool_ref")
+    return entry.status.pool_name or (ref.name if ref else None) or owned_pool_name(entry.name)
+
+
+def _wire(obj: BaseModel) -> dict[str, Any]:
+    """A part of a resource as the API server holds it (camelCase; the fields it gave, no defaults)."""
+    return obj.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
 def _local_phase(conditions: list[dict[str, Any]]) -> str:
