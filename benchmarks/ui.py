@@ -187,7 +187,7 @@ def main() -> int:
         f"a cold read of every trial summary takes {cold_index * 1000:.0f} ms",
         flush=True,
     )
-    trial = next(r["trial"] for r in trials if r["num_turns"] >= 3 and r["split"] == "train")
+    trial = next(r.summary.trial for r in trials if r.summary.num_turns >= 3 and r.summary.split == "train")
 
     url, stop = start_in_thread([str(folder)], port=0)
     try:
@@ -210,8 +210,8 @@ def main() -> int:
         "args": {k: v for k, v in vars(args).items() if k not in ("out", "store")},
         "store": {
             "trials": len(trials),
-            "train_trials": sum(1 for r in trials if r["split"] == "train"),
-            "validation_trials": sum(1 for r in trials if r["split"] == "validation"),
+            "train_trials": sum(1 for r in trials if r.summary.split == "train"),
+            "validation_trials": sum(1 for r in trials if r.summary.split == "validation"),
             "bytes": size,
             "cold_summary_read_ms": round(cold_index * 1000, 1),
         },

@@ -1,4 +1,4 @@
-"""The UI's view of one run store: JSON-ready summaries, cached by the files' modification times.
+"""The UI's view of one run store: its answers (`legorl.ui.schemas`), cached by the files' modification times.
 
 Everything here is synchronous (pyarrow, fsspec); the server calls it from worker threads. A store of
 10,000 trials answers from memory: each step's trial summaries are read once (only the small columns,
@@ -7,6 +7,7 @@ never the token arrays) and kept until that step's files change. Only `trajector
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -36,11 +37,50 @@ from legorl.api.figures import (
     ValidationReport,
 )
 from legorl.api.progress import Progress
+from legorl.api.run import PolicySpec, RLRunSpec, StopConditions, TrajectoryFilter
 from legorl.api.store import RunStore, StoreError, StoreLayout, parse_policy_version
 from legorl.api.termination import INFRA_REASONS, TerminationReason
-from legorl.api.trajectory import SUMMARY_COLUMNS, TRIAL_SCHEMA, TrialSummary, decode_routing
+from legorl.api.trajectory import (
+    SUMMARY_COLUMNS,
+    SchemaVersionError,
+    Segment,
+    TrajectoryError,
+    TrialRecord,
+    TrialSummary,
+    trials_from_table,
+)
 from legorl.api.weights import PUBLISHED_MARKER
 
+from .resources import read_field, reported
+from .schemas import (
+    BatchView,
+    CheckView,
+    Curves,
+    EvalOutcome,
+    HeldOutPoint,
+    Outcomes,
+    OutcomeStep,
+    Part,
+    Routing,
+    RunSummary,
+    SegmentView,
+    Series,
+    SplitGrid,
+    StageStat,
+    StoreCondition,
+    StoreOverview,
+    TamperView,
+    TaskCell,
+    TaskGrid,
+    TaskRow,
+    ToolCall,
+    TrainingLogprobs,
+    Trajectory,
+    TrialPage,
+    TrialRow,
+    TurnView,
+    ValidationView,
+)
 from .tokens import TokenText, load_token_text
 
 __all__ = [
@@ -48,6 +88,7 @@ __all__ = [
     "REASONS",
     "NotFound",
     "StoreData",
+    "StoredTrial",
     "TrialQuery",
 ]
 
@@ -95,6 +136,7 @@ class TrialQuery:
 
 
 SORT_KEYS: Final = ("step", "trial", "task_id", "reward", "termination_reason", "num_turns", "duration")
+"""The trial list's orders (`TrialQuery.sort`)."""
 
 
 _Document = TypeVar("_Document", EvalSummary, StepFigures, TrainerState, ValidationReport)
@@ -140,28 +182,64 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[rank]
 
 
-def _summary_row(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A trial as the UI's lists show it (`TrialSummary`, the one decoder of a trial-table row)."""
-    t = TrialSummary.from_row(row)
-    return {
-        "trial": t.trial,
-        "task_id": t.task_id,
-        "group_id": t.group_id,
-        "split": t.split,
-        "step": t.step,
-        "harness": t.harness,
-        "termination_reason": t.termination_reason.value,
-        "reward": _num(t.reward),
-        "tamper_findings": [f.to_dict() for f in t.tamper_findings],
-        "policy_versions": t.policy_versions,
-        "num_turns": t.num_turns,
-        "merged_turn_share": _num(t.merged_turn_share),
-        "stage_seconds": t.stage_seconds,
-        "started_at": _iso(t.started_at),
-        "ended_at": _iso(t.ended_at),
-        "duration": (t.ended_at - t.started_at).total_seconds(),
-        "error": t.error,
-    }
+def _trial_row(t: TrialSummary | TrialRecord, committed: bool | None = None) -> TrialRow:
+    """A trial as the UI's lists show it (from `TrialSummary`, the one decoder of a trial-table row)."""
+    row = TrialRow(
+        trial=t.trial,
+        task_id=t.task_id,
+        group_id=t.group_id,
+        split=t.split,
+        step=t.step,
+        harness=t.harness,
+        termination_reason=t.termination_reason.value,
+        reward=_num(t.reward),
+        tamper_findings=[TamperView(kind=f.kind, detail=f.detail, path=f.path) for f in t.tamper_findings],
+        policy_versions=t.policy_versions,
+        num_turns=t.num_turns,
+        merged_turn_share=_num(t.merged_turn_share),
+        stage_seconds=t.stage_seconds,
+        started_at=_iso(t.started_at),
+        ended_at=_iso(t.ended_at),
+        duration=(t.ended_at - t.started_at).total_seconds(),
+        error=t.error,
+    )
+    if committed is not None:
+        row.committed = committed
+    return row
+
+
+@dataclass(frozen=True)
+class StoredTrial:
+    """A trial as the UI keeps it in memory: its summary, and whether it was read from a committed batch."""
+
+    summary: TrialSummary
+    committed: bool
+
+    @property
+    def reward(self) -> float | None:
+        """The reward, None when there is none (or it is not a finite number)."""
+        return _num(self.summary.reward)
+
+    @property
+    def duration(self) -> float:
+        return (self.summary.ended_at - self.summary.started_at).total_seconds()
+
+    @functools.cached_property
+    def row(self) -> TrialRow:
+        """The trial as the lists show it (built once; the lists page through the same rows)."""
+        return _trial_row(self.summary, self.committed)
+
+
+_SORT: Final[dict[str, Callable[[StoredTrial], Any]]] = {
+    "step": lambda t: t.summary.step,
+    "trial": lambda t: t.summary.trial,
+    "task_id": lambda t: t.summary.task_id,
+    "reward": lambda t: t.reward,
+    "termination_reason": lambda t: t.summary.termination_reason.value,
+    "num_turns": lambda t: t.summary.num_turns,
+    "duration": lambda t: t.duration,
+}
+"""What each of `SORT_KEYS` orders the trial list by."""
 
 
 class StoreData:
@@ -277,21 +355,26 @@ class StoreData:
     def run_spec(self) -> dict[str, Any] | None:
         return self._json(StoreLayout.RUN)
 
-    def validation(self) -> dict[str, Any] | None:
+    def spec_field(self, name: str) -> Any:
+        """Field `name` of the run's spec (`RLRunSpec`) as run.json gives it, read leniently; None when it
+        does not say (`resources.read_field`)."""
+        return read_field(RLRunSpec, (self.run_spec() or {}).get("spec"), name)
+
+    def validation(self) -> ValidationView | None:
         """The last canary's report (`legorl run --canary`, or the operator's), as the overview shows it."""
         raw = self._json(StoreLayout.VALIDATION)
         reports = _decoded(ValidationReport, [raw]) if raw else []
         if not reports:
             return None
         report = reports[0]
-        return {
-            "source": "store",
-            "state": report.result,
-            "time": report.time,
-            "seconds": report.seconds,
-            "trial": report.trial,
-            "checks": [{"check": c.check, "result": c.result, "message": c.message} for c in report.checks],
-        }
+        return ValidationView(
+            source="store",
+            state=report.result,
+            time=report.time,
+            seconds=report.seconds,
+            trial=report.trial,
+            checks=[CheckView(check=c.check, result=c.result, message=c.message) for c in report.checks],
+        )
 
     def name(self) -> str:
         spec = self.run_spec() or {}
@@ -308,6 +391,11 @@ class StoreData:
 
     def trainer_state(self) -> dict[str, Any] | None:
         return self._json(StoreLayout.TRAINER_STATE)
+
+    def trainer_policy_version(self) -> str | None:
+        """The version the trainer last published (`TrainerState`), None before it said one."""
+        states = _decoded(TrainerState, [self.trainer_state() or {}])
+        return states[0].policy_version if states and reported(states[0], "policy_version") else None
 
     def committed_steps(self) -> list[int]:
         steps = []
@@ -364,7 +452,7 @@ class StoreData:
             return None
 
     # --- trials ------------------------------------------------------------------------------------
-    def _read_rows(self, paths: list[str], columns: list[str]) -> list[dict[str, Any]]:
+    def _read_rows(self, paths: list[str], columns: list[str]) -> list[TrialSummary]:
         if not paths:
             return []
         try:
@@ -382,39 +470,32 @@ class StoreData:
             if not tables:
                 return []
             table = pa.concat_tables(tables, promote_options="permissive")
-        return [_summary_row(r) for r in table.to_pylist()]
+        return [TrialSummary.from_row(r) for r in table.to_pylist()]
 
-    def _step_rows(self, split: str, step: int, committed: bool) -> list[dict[str, Any]]:
+    def _step_rows(self, split: str, step: int, committed: bool) -> list[StoredTrial]:
         """Summaries of one step's trials: the committed batch if there is one, else the saved trials."""
         if committed and split == "train":
             marker = StoreLayout.batch_marker(step)
 
-            def from_batch() -> list[dict[str, Any]]:
+            def from_batch() -> list[StoredTrial]:
                 path = self.store.fs_path(StoreLayout.batch_trials(step))
-                rows = self._read_rows([path], list(SUMMARY_COLUMNS))
-                for row in rows:
-                    row["committed"] = True
-                return rows
+                return [StoredTrial(t, True) for t in self._read_rows([path], list(SUMMARY_COLUMNS))]
 
             return self._cached(("batch-rows", step), self._sig(marker), from_batch)
         folder = StoreLayout.trials(split, step)
 
-        def from_saved() -> list[dict[str, Any]]:
+        def from_saved() -> list[StoredTrial]:
             names = [n for n in self._list(folder) if n.endswith(".parquet") and not n.startswith(".")]
-            rows = self._read_rows(
-                [self.store.fs_path(f"{folder}/{n}") for n in names], list(SUMMARY_COLUMNS)
-            )
-            for row in rows:
-                row["committed"] = False
-            return rows
+            paths = [self.store.fs_path(f"{folder}/{n}") for n in names]
+            return [StoredTrial(t, False) for t in self._read_rows(paths, list(SUMMARY_COLUMNS))]
 
         return self._cached(("saved-rows", split, step), self._sig(folder), from_saved)
 
-    def trials(self) -> list[dict[str, Any]]:
+    def trials(self) -> list[StoredTrial]:
         """Every trial's summary (train and validation), by split, step and trial id."""
         return self._rows_and_index()[0]
 
-    def trial_index(self) -> dict[str, dict[str, Any]]:
+    def trial_index(self) -> dict[str, StoredTrial]:
         """Trial summaries by trial id."""
         return self._rows_and_index()[1]
 
@@ -450,15 +531,15 @@ class StoreData:
         """`compute()`, kept until `sig` changes (e.g. diagnostics, keyed by `signature()`)."""
         return self._cached(("memo", key), sig, compute)
 
-    def _rows_and_index(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    def _rows_and_index(self) -> tuple[list[StoredTrial], dict[str, StoredTrial]]:
         keys, sig = self._trial_keys()
 
-        def compute() -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
-            rows: list[dict[str, Any]] = []
+        def compute() -> tuple[list[StoredTrial], dict[str, StoredTrial]]:
+            rows: list[StoredTrial] = []
             for split, step, is_committed in keys:
                 rows.extend(self._step_rows(split, step, is_committed))
-            rows.sort(key=lambda r: (r["split"] != "train", r["step"], r["trial"]))
-            return rows, {r["trial"]: r for r in rows}
+            rows.sort(key=lambda r: (r.summary.split != "train", r.summary.step, r.summary.trial))
+            return rows, {r.summary.trial: r for r in rows}
 
         return self._cached(("all-rows",), sig, compute)
 
@@ -467,50 +548,46 @@ class StoreData:
             return self._sig(StoreLayout.batch_marker(step))
         return self._sig(StoreLayout.trials(split, step))
 
-    def query_trials(self, q: TrialQuery) -> dict[str, Any]:
-        rows = self._ordered(q.sort, q.order)
+    def query_trials(self, q: TrialQuery) -> TrialPage:
         text = q.text.lower() if q.text else None
         out = []
-        for r in rows:
-            if q.split is not None and r["split"] != q.split:
+        for r in self._ordered(q.sort, q.order):
+            t = r.summary
+            if q.split is not None and t.split != q.split:
                 continue
-            if q.step is not None and r["step"] != q.step:
+            if q.step is not None and t.step != q.step:
                 continue
-            if q.task is not None and r["task_id"] != q.task:
+            if q.task is not None and t.task_id != q.task:
                 continue
-            if q.group is not None and r["group_id"] != q.group:
+            if q.group is not None and t.group_id != q.group:
                 continue
-            if q.reason and r["termination_reason"] not in q.reason:
+            if q.reason and t.termination_reason.value not in q.reason:
                 continue
-            if q.tampered is not None and bool(r["tamper_findings"]) != q.tampered:
+            if q.tampered is not None and bool(t.tamper_findings) != q.tampered:
                 continue
-            reward = r["reward"]
+            reward = r.reward
             if q.min_reward is not None and (reward is None or reward < q.min_reward):
                 continue
             if q.max_reward is not None and (reward is None or reward > q.max_reward):
                 continue
-            if text is not None and text not in r["trial"].lower() and text not in r["task_id"].lower():
+            if text is not None and text not in t.trial.lower() and text not in t.task_id.lower():
                 continue
             out.append(r)
+        page = out[q.offset : q.offset + q.limit]
+        return TrialPage(total=len(out), offset=q.offset, limit=q.limit, items=[r.row for r in page])
 
-        return {
-            "total": len(out),
-            "offset": q.offset,
-            "limit": q.limit,
-            "items": out[q.offset : q.offset + q.limit],
-        }
-
-    def _ordered(self, sort: str, order: str) -> list[dict[str, Any]]:
+    def _ordered(self, sort: str, order: str) -> list[StoredTrial]:
         """Every trial ordered by `sort` (kept until the trials change); filters keep this order."""
         if (sort, order) == ("step", "asc"):
             return self.trials()
+        key = _SORT[sort]
 
-        def compute() -> list[dict[str, Any]]:
+        def compute() -> list[StoredTrial]:
             rows = self.trials()
-            # Rows without a value (no reward, no duration) go last in either order.
-            present = [r for r in rows if r.get(sort) is not None]
-            missing = [r for r in rows if r.get(sort) is None]
-            present.sort(key=lambda r: (r[sort], r["step"], r["trial"]), reverse=order == "desc")
+            # Rows without a value (no reward) go last in either order.
+            present = [r for r in rows if key(r) is not None]
+            missing = [r for r in rows if key(r) is None]
+            present.sort(key=lambda r: (key(r), r.summary.step, r.summary.trial), reverse=order == "desc")
             return present + missing
 
         return self.memo(("ordered", sort, order), self._trial_keys()[1], compute)
@@ -525,130 +602,133 @@ class StoreData:
         state.setdefault("policy_version", trainer[0].policy_version if trainer else "v0")
         return state
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> RunSummary:
         """One row of the runs list."""
-        spec = self.run_spec() or {}
         p = Progress.from_json(self.progress())
         evals = self.eval_summaries()
         last_eval = evals[-1] if evals else None
         metrics = self.step_figures()
         last = metrics[-1] if metrics else None
-        stop = (spec.get("spec") or {}).get("stop") or {}
+        stop: StopConditions | None = self.spec_field("stop")
         updated = self.updated_at()
-        return {
-            "name": self.name(),
-            "store": self.uri,
-            "step": p.step,
-            "max_steps": p.max_steps or stop.get("maxSteps"),
-            "policy_version": p.policy_version,
-            "reward_mean": _num(p.reward_mean),
-            "held_out": _num(last_eval.solve_rate if last_eval else p.held_out_solve_rate),
-            "held_out_interval": (
+        return RunSummary(
+            name=self.name(),
+            store=self.uri,
+            step=p.step,
+            max_steps=p.max_steps or (stop.max_steps if stop else None),
+            policy_version=p.policy_version,
+            reward_mean=_num(p.reward_mean),
+            held_out=_num(last_eval.solve_rate if last_eval else p.held_out_solve_rate),
+            held_out_interval=(
                 list(last_eval.interval95)
                 if last_eval and last_eval.interval95
                 else (list(p.held_out_interval) if p.held_out_interval else None)
             ),
-            "baseline": _num(p.baseline_solve_rate),
-            "fidelity": _num(last.fidelity_pearson) if last else _num(p.fidelity_correlation),
-            "trials_per_minute": _num(p.trials_per_minute),
-            "trials_total": p.trials_total,
-            "trials_running": p.trials_running,
-            "message": p.message,
-            "degraded_reason": p.degraded_reason,
-            "updated_seconds_ago": (time.time() - updated) if updated else None,
-            "conditions": self.local_conditions(),
-        }
+            baseline=_num(p.baseline_solve_rate),
+            fidelity=_num(last.fidelity_pearson) if last else _num(p.fidelity_correlation),
+            trials_per_minute=_num(p.trials_per_minute),
+            trials_total=p.trials_total,
+            trials_running=p.trials_running,
+            message=p.message,
+            degraded_reason=p.degraded_reason,
+            updated_seconds_ago=(time.time() - updated) if updated else None,
+            conditions=self.local_conditions(),
+        )
 
-    def local_conditions(self) -> list[dict[str, Any]]:
+    def local_conditions(self) -> list[StoreCondition]:
         """Conditions as the store shows them (no cluster: nothing else writes any)."""
+        updated = self.updated_at()
+        when = datetime.fromtimestamp(updated).astimezone().isoformat() if updated else None
         raw = self.controller_state()
         if raw is None:
             return [
-                {
-                    "type": "Training",
-                    "status": "Unknown",
-                    "reason": "NoProgressYet",
-                    "message": "the run controller has not written controller/state.json yet",
-                }
+                StoreCondition(
+                    type="Training",
+                    status="Unknown",
+                    reason="NoProgressYet",
+                    message="the run controller has not written controller/state.json yet",
+                    last_transition_time=when,
+                    source="store",
+                )
             ]
-        updated = self.updated_at()
         fresh = updated is not None and time.time() - updated < 120
         p = Progress.from_json(raw)
         step, max_steps, running = p.step, p.max_steps, p.trials_running
         finished = max_steps is not None and step >= max_steps and running == 0
-        out: list[dict[str, Any]] = []
+        out: list[StoreCondition] = []
         if finished:
             out.append(
-                {
-                    "type": "Succeeded",
-                    "status": "True",
-                    "reason": "Finished",
-                    "message": p.message or f"trained {step} step(s)",
-                }
+                StoreCondition(
+                    type="Succeeded",
+                    status="True",
+                    reason="Finished",
+                    message=p.message or f"trained {step} step(s)",
+                    last_transition_time=when,
+                    source="store",
+                )
             )
         else:
             out.append(
-                {
-                    "type": "Training",
-                    "status": "True" if fresh else "Unknown",
-                    "reason": "Running" if fresh else "NoRecentProgress",
-                    "message": p.message
+                StoreCondition(
+                    type="Training",
+                    status="True" if fresh else "Unknown",
+                    reason="Running" if fresh else "NoRecentProgress",
+                    message=p.message
                     or (
                         f"step {step} of {max_steps}, {running} trial(s) running"
                         if fresh
                         else "no progress written in the last 2 minutes: stopped, or the writer is gone"
                     ),
-                }
+                    last_transition_time=when,
+                    source="store",
+                )
             )
         if p.degraded_reason:
             out.append(
-                {
-                    "type": "Degraded",
-                    "status": "True",
-                    "reason": p.degraded_reason,
-                    "message": p.degraded_message,
-                }
+                StoreCondition(
+                    type="Degraded",
+                    status="True",
+                    reason=p.degraded_reason,
+                    message=p.degraded_message,
+                    last_transition_time=when,
+                    source="store",
+                )
             )
-        for c in out:
-            c["lastTransitionTime"] = (
-                datetime.fromtimestamp(updated).astimezone().isoformat() if updated else None
-            )
-            c["source"] = "store"
         return out
 
-    def batches(self) -> list[dict[str, Any]]:
+    def batches(self) -> list[BatchView]:
         out = []
         for step in self.committed_steps():
             marker = self.commit(step) or {}
             out.append(
-                {
-                    "step": step,
-                    "policy_version": marker.get("policy_version"),
-                    "num_trials": marker.get("num_trials"),
-                    "created_at": marker.get("created_at"),
-                    "size": marker.get("size"),
-                    "meta": marker.get("meta") or {},
-                }
+                BatchView(
+                    step=step,
+                    policy_version=marker.get("policy_version"),
+                    num_trials=marker.get("num_trials"),
+                    created_at=marker.get("created_at"),
+                    size=marker.get("size"),
+                    meta=marker.get("meta") or {},
+                )
             )
         return out
 
-    def overview(self) -> dict[str, Any]:
-        return {
-            "name": self.name(),
-            "store": self.uri,
-            "spec": self.run_spec(),
-            "progress": self.progress(),
-            "trainer": self.trainer_state(),
-            "batches": self.batches(),
-            "evals": self.evals(),
-            "published_versions": self.published_versions(),
-            "conditions": self.local_conditions(),
-            "validation": self.validation(),
-        }
+    def overview(self) -> StoreOverview:
+        return StoreOverview(
+            name=self.name(),
+            store=self.uri,
+            spec=self.run_spec(),
+            progress=self.progress(),
+            trainer=self.trainer_state(),
+            batches=self.batches(),
+            evals=self.evals(),
+            published_versions=self.published_versions(),
+            conditions=self.local_conditions(),
+            validation=self.validation(),
+        )
 
-    def curves(self) -> dict[str, Any]:
+    def curves(self) -> Curves:
         metrics = self.metrics()
-        series: dict[str, list[list[float]]] = {}
+        series: dict[str, list[tuple[int, float]]] = {}
         for m in metrics:
             step = m.get("step")
             if not isinstance(step, int):
@@ -656,143 +736,137 @@ class StoreData:
             for key, value in m.items():
                 v = _num(value)
                 if key != "step" and v is not None:
-                    series.setdefault(key, []).append([step, v])
+                    series.setdefault(key, []).append((step, v))
         batch_reward = []
         for b in self.batches():
-            v = _num(_batch_summary(b["meta"]).reward_mean)
+            v = _num(_batch_summary(b.meta).reward_mean)
             if v is not None:
-                batch_reward.append([b["step"], v])
+                batch_reward.append((b.step, v))
         if batch_reward:
             series["reward_mean"] = batch_reward
         held_out = []
         for e in self.eval_summaries():
             low, high = e.interval95 or (None, None)
             held_out.append(
-                {
-                    "step": e.step,
-                    "rate": _num(e.solve_rate),
-                    "low": _num(low),
-                    "high": _num(high),
-                    "scored": e.scored,
-                    "policy_version": e.policy_version,
-                }
+                HeldOutPoint(
+                    step=e.step,
+                    rate=_num(e.solve_rate),
+                    low=_num(low),
+                    high=_num(high),
+                    scored=e.scored,
+                    policy_version=e.policy_version,
+                )
             )
         known = [c[0] for c in CURVES]
         order = [k for k in known if k in series] + sorted(k for k in series if k not in known)
         labels = {k: label for k, label, _ in CURVES}
         groups = {k: group for k, _, group in CURVES}
-        return {
-            "series": [
-                {"key": k, "label": labels.get(k, k), "group": groups.get(k, "other"), "points": series[k]}
+        return Curves(
+            series=[
+                Series(key=k, label=labels.get(k, k), group=groups.get(k, "other"), points=series[k])
                 for k in order
             ],
-            "held_out": held_out,
-        }
+            held_out=held_out,
+        )
 
-    def outcomes(self) -> dict[str, Any]:
+    def outcomes(self) -> Outcomes:
         """Per training step: trials by termination reason, dropped share, zero-variance groups."""
         return self.memo("outcomes", (self._trial_keys()[1], self._sig(StoreLayout.RUN)), self._outcomes)
 
-    def _outcomes(self) -> dict[str, Any]:
-        drop = set(((self.run_spec() or {}).get("spec") or {}).get("filter", {}).get("dropReasons") or INFRA)
-        by_step: dict[int, dict[str, Any]] = {}
-        committed = set(self.committed_steps())
+    def _outcomes(self) -> Outcomes:
+        spec_filter: TrajectoryFilter | None = self.spec_field("filter")
+        said = spec_filter.drop_reasons if spec_filter and reported(spec_filter, "drop_reasons") else None
+        drop = {r.value for r in said} if said else set(INFRA)
+        reasons_by_step: dict[int, Counter[str]] = {}
         for r in self.trials():
-            if r["split"] != "train":
-                continue
-            entry = by_step.setdefault(
-                r["step"], {"step": r["step"], "by_reason": Counter(), "trials": 0, "committed": False}
-            )
-            entry["by_reason"][r["termination_reason"]] += 1
-            entry["trials"] += 1
+            t = r.summary
+            if t.split == "train":
+                reasons_by_step.setdefault(t.step, Counter())[t.termination_reason.value] += 1
+        committed = set(self.committed_steps())
         steps = []
-        for step in sorted(by_step):
-            entry = by_step[step]
+        for step in sorted(reasons_by_step):
+            counts = reasons_by_step[step]
             meta = (self.commit(step) or {}).get("meta") if step in committed else None
             marker = _batch_summary(meta) if meta else None
-            trials = entry["trials"]
-            dropped = sum(n for reason, n in entry["by_reason"].items() if reason in drop)
+            trials = sum(counts.values())
+            dropped = sum(n for reason, n in counts.items() if reason in drop)
             if marker is not None:
                 kept = marker.kept
                 dropped_share = 1 - kept / marker.trials if kept is not None and marker.trials else None
             else:
                 dropped_share = dropped / trials if trials else None
             steps.append(
-                {
-                    "step": step,
-                    "committed": step in committed,
-                    "trials": trials,
-                    "by_reason": dict(entry["by_reason"]),
-                    "dropped": dropped,
-                    "dropped_share": dropped_share,
-                    "zero_variance_groups": marker.zero_variance_groups if marker else None,
-                    "groups": marker.groups if marker else None,
-                    "infra_failures": sum(n for reason, n in entry["by_reason"].items() if reason in INFRA),
-                }
+                OutcomeStep(
+                    step=step,
+                    committed=step in committed,
+                    trials=trials,
+                    by_reason=dict(counts),
+                    dropped=dropped,
+                    dropped_share=dropped_share,
+                    zero_variance_groups=marker.zero_variance_groups if marker else None,
+                    groups=marker.groups if marker else None,
+                    infra_failures=sum(n for reason, n in counts.items() if reason in INFRA),
+                )
             )
         evals = [
-            {"step": e.step, "by_reason": e.by_reason, "trials": e.trials} for e in self.eval_summaries()
+            EvalOutcome(step=e.step, by_reason=e.by_reason, trials=e.trials) for e in self.eval_summaries()
         ]
-        return {
-            "reasons": REASONS,
-            "infra": INFRA,
-            "drop_reasons": sorted(drop),
-            "steps": steps,
-            "evals": evals,
-        }
+        return Outcomes(reasons=REASONS, infra=INFRA, drop_reasons=sorted(drop), steps=steps, evals=evals)
 
-    def task_grid(self) -> dict[str, Any]:
+    def task_grid(self) -> TaskGrid:
         """Per-task solve rate (mean reward) across steps, training and held-out."""
         return self.memo("task_grid", (self._trial_keys()[1]), self._task_grid)
 
-    def _task_grid(self) -> dict[str, Any]:
+    def _task_grid(self) -> TaskGrid:
         cells: dict[tuple[str, str, int], list[float | None]] = {}
         for r in self.trials():
-            cells.setdefault((r["split"], r["task_id"], r["step"]), []).append(r["reward"])
-        out: dict[str, dict[str, Any]] = {"train": {}, "validation": {}}
+            t = r.summary
+            cells.setdefault((t.split, t.task_id, t.step), []).append(r.reward)
+        out: dict[str, dict[str, dict[str, TaskCell]]] = {"train": {}, "validation": {}}
         steps: dict[str, set[int]] = {"train": set(), "validation": set()}
         for (split, task, step), rewards in cells.items():
             scored = [x for x in rewards if x is not None]
-            out[split].setdefault(task, {})[str(step)] = {
-                "n": len(rewards),
-                "scored": len(scored),
-                "mean": sum(scored) / len(scored) if scored else None,
-                "solved": sum(1 for x in scored if x >= 1.0),
-            }
+            out[split].setdefault(task, {})[str(step)] = TaskCell(
+                n=len(rewards),
+                scored=len(scored),
+                mean=sum(scored) / len(scored) if scored else None,
+                solved=sum(1 for x in scored if x >= 1.0),
+            )
             steps[split].add(step)
-        return {
-            split: {
-                "steps": sorted(steps[split]),
-                "tasks": [
-                    {
-                        "task": task,
-                        "cells": row,
-                        "mean": _mean([c["mean"] for c in row.values() if c["mean"] is not None]),
-                    }
+        grids = {
+            split: SplitGrid(
+                steps=sorted(steps[split]),
+                tasks=[
+                    TaskRow(
+                        task=task,
+                        cells=row,
+                        mean=_mean([c.mean for c in row.values() if c.mean is not None]),
+                    )
                     for task, row in sorted(out[split].items())
                 ],
-            }
+            )
             for split in ("train", "validation")
         }
+        return TaskGrid(train=grids["train"], validation=grids["validation"])
 
-    def stage_stats(self) -> dict[str, Any]:
+    def stage_stats(self) -> dict[str, StageStat]:
         """Sandbox stage timings over all trials: p50 / p95 / max per stage, and per termination reason."""
         return self.memo("stage_stats", (self._trial_keys()[1]), self._stage_stats)
 
-    def _stage_stats(self) -> dict[str, Any]:
+    def _stage_stats(self) -> dict[str, StageStat]:
         stages: dict[str, list[float]] = {}
         for r in self.trials():
-            for stage, seconds in r["stage_seconds"].items():
+            for stage, seconds in r.summary.stage_seconds.items():
                 if isinstance(seconds, (int, float)):
                     stages.setdefault(stage, []).append(float(seconds))
         return {
-            stage: {
-                "n": len(v),
-                "p50": _percentile(v, 0.5),
-                "p95": _percentile(v, 0.95),
-                "max": max(v),
-                "mean": statistics.fmean(v),
-            }
+            stage: StageStat(
+                n=len(v),
+                p50=_percentile(v, 0.5),
+                p95=_percentile(v, 0.95),
+                max=max(v),
+                mean=statistics.fmean(v),
+            )
             for stage, v in sorted(stages.items())
         }
 
@@ -804,9 +878,9 @@ class StoreData:
         if self.root is not None:
             for version in reversed(self.published_versions()):
                 candidates.append(self.root / StoreLayout.weights(version) / "tokenizer.json")
-            checkpoint = (((self.run_spec() or {}).get("spec") or {}).get("policy") or {}).get("checkpoint")
-            uri = (checkpoint or {}).get("uri") if isinstance(checkpoint, dict) else None
-            if isinstance(uri, str) and (uri.startswith("/") or uri.startswith("file://")):
+            policy: PolicySpec | None = self.spec_field("policy")
+            uri = policy.checkpoint.uri if policy else None
+            if uri is not None and (uri.startswith("/") or uri.startswith("file://")):
                 candidates.append(Path(uri.removeprefix("file://")) / "tokenizer.json")
         found = next((p for p in candidates if p.is_file()), None)
         key = str(found) if found else ""
@@ -818,14 +892,14 @@ class StoreData:
             self._token_text = (key, loaded)
         return loaded
 
-    def trial_record(self, trial: str) -> dict[str, Any]:
-        """The full stored row of one trial (with segments), as Python values."""
+    def trial_record(self, trial: str) -> TrialRecord:
+        """The full stored record of one trial (with its segments)."""
         if not _TRIAL_ID_RE.fullmatch(trial):
             raise NotFound(f"no trial {trial!r} in run {self.name()!r}")
-        summary = self.trial_index().get(trial)
-        if summary is None:
+        found = self.trial_index().get(trial)
+        if found is None:
             raise NotFound(f"no trial {trial!r} in run {self.name()!r}")
-        split, step = summary["split"], summary["step"]
+        split, step = found.summary.split, found.summary.step
         saved = StoreLayout.saved_trial(split, step, trial)
         table: pa.Table | None = None
         try:
@@ -833,86 +907,83 @@ class StoreData:
                 table = pq.read_table(f)
         except FileNotFoundError:
             table = None
-        if table is None and summary.get("committed"):
+        if table is None and found.committed:
             path = self.store.fs_path(StoreLayout.batch_trials(step))
             with self.store.fs.open(path, "rb") as f:
                 table = pq.read_table(f, filters=[("trial", "=", trial)])
         if table is None or table.num_rows == 0:
             raise NotFound(f"trial {trial!r} is listed but its record is gone from {self.uri}")
-        if table.schema.metadata and table.schema.metadata.get(b"legorl.schema") != b"trial":
-            raise StoreError(f"{saved} is not a trial table")
-        row: dict[str, Any] = table.select(
-            [n for n in TRIAL_SCHEMA.names if n in table.column_names]
-        ).to_pylist()[0]
-        return row
+        try:
+            return trials_from_table(table.slice(0, 1))[0]
+        except (SchemaVersionError, TrajectoryError) as exc:
+            raise StoreError(f"{saved}: {exc}") from exc
 
-    def trajectory(self, trial: str) -> dict[str, Any]:
+    def trajectory(self, trial: str) -> Trajectory:
         """One trial turn by turn, with every token's text, loss mask, behaviour log-prob and routing."""
-        row = self.trial_record(trial)
-        summary = _summary_row(row)
+        record = self.trial_record(trial)
         tok = self.token_text()
-        trained, train_note = self._training_logprobs(row)
+        trained, train_note = self._training_logprobs(record)
         segments = []
         total = 0
         truncated = False
-        for seg in row["segments"]:
-            ids: list[int] = list(seg["token_ids"])
+        for seg in record.segments:
+            ids = list(seg.token_ids)
             if total + len(ids) > _MAX_TOKENS:
                 ids = ids[: max(0, _MAX_TOKENS - total)]
                 truncated = True
             total += len(ids)
             n = len(ids)
-            mask = list(seg["loss_mask"])[:n]
-            logprobs = [float(x) for x in list(seg["behavior_logprobs"])[:n]]
+            mask = list(seg.loss_mask)[:n]
+            logprobs = [float(x) for x in list(seg.behavior_logprobs)[:n]]
             text = tok.pieces(ids) if tok is not None else None
             experts = _routing(seg, n)
-            train = trained.get(int(seg["index"])) if trained else None
+            train = trained.get(seg.index) if trained else None
             train = train[:n] if train is not None and len(train) >= n else None
             segments.append(
-                {
-                    "index": seg["index"],
-                    "policy_versions": list(seg["policy_versions"]),
-                    "turns": _turns(
+                SegmentView(
+                    index=seg.index,
+                    policy_versions=list(seg.policy_versions),
+                    turns=_turns(
                         ids=ids,
                         mask=mask,
                         logprobs=logprobs,
                         text=text,
                         experts=experts,
-                        turn_indices=list(seg["turn_indices"]),
+                        turn_indices=list(seg.turn_indices),
                         train=train,
                     ),
-                    "tokens": n,
-                    "sampled": sum(mask),
-                    "routing": None if experts is None else {"layers": experts[1], "top_k": experts[2]},
-                    "training_logprobs": (
+                    tokens=n,
+                    sampled=sum(mask),
+                    routing=None if experts is None else Routing(layers=experts[1], top_k=experts[2]),
+                    training_logprobs=(
                         None
                         if train is None
-                        else {
-                            "step": row["step"],
-                            "policy_version": f"v{int(row['step']) - 1}",
-                            "tokens": sum(v is not None for v in train),
-                        }
+                        else TrainingLogprobs(
+                            step=record.step,
+                            policy_version=f"v{record.step - 1}",
+                            tokens=sum(v is not None for v in train),
+                        )
                     ),
-                }
+                )
             )
             if truncated:
                 break
-        return {
-            "trial": summary,
-            "tokenizer": tok.source if tok is not None else None,
-            "segments": segments,
-            "truncated": truncated,
-            "training_logprobs_note": train_note,
-        }
+        return Trajectory(
+            trial=_trial_row(record),
+            tokenizer=tok.source if tok is not None else None,
+            segments=segments,
+            truncated=truncated,
+            training_logprobs_note=train_note,
+        )
 
-    def _training_logprobs(self, row: Mapping[str, Any]) -> tuple[dict[int, list[float | None]], str]:
+    def _training_logprobs(self, record: TrialRecord) -> tuple[dict[int, list[float | None]], str]:
         """The trainer's per-token log-probs of a training trial (by segment), and a note on why there are
         none when there are none."""
-        if row.get("split") != "train":
+        if record.split != "train":
             return {}, "held-out trials are never trained on: there are no training log-probs to compare"
-        step = int(row["step"])
+        step = record.step
         try:
-            stored = self.store.read_token_logprobs(step, str(row["trial"]))
+            stored = self.store.read_token_logprobs(step, record.trial)
         except StoreError as exc:
             return {}, f"the training log-probs of step {step} are unreadable: {exc}"
         if stored is None:
@@ -931,12 +1002,10 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _routing(seg: Mapping[str, Any], n: int) -> tuple[list[list[list[int]]], int, int] | None:
+def _routing(seg: Segment, n: int) -> tuple[list[list[list[int]]], int, int] | None:
     """Per token (the first `n`), the experts each layer routed it to (row i is token i; the last token has
-    none). `seg` is a stored segment row of any schema version (raw bytes + dtype, or a schema-1 list)."""
-    routed = decode_routing(
-        seg.get("routed_experts"), seg.get("routed_experts_shape"), seg.get("routed_experts_dtype")
-    )
+    none)."""
+    routed = seg.routed_experts
     if routed is None:
         return None
     _, layers, top_k = routed.shape
@@ -953,7 +1022,7 @@ def _turns(
     experts: tuple[list[list[list[int]]], int, int] | None,
     turn_indices: list[int],
     train: list[float | None] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[TurnView]:
     """Split a segment into turns: each is the context the model was shown (mask 0) and its sampled
     completion (mask 1)."""
     runs: list[tuple[int, int, int]] = []  # (mask, start, end)
@@ -962,21 +1031,23 @@ def _turns(
         if i == len(ids) or mask[i] != mask[start]:
             runs.append((mask[start], start, i))
             start = i
-    turns: list[dict[str, Any]] = []
+    turns: list[TurnView] = []
     pending: tuple[int, int] | None = None
     turn_no = 0
 
-    def part(kind: str, a: int, b: int) -> dict[str, Any]:
-        return {
-            "kind": kind,
-            "start": a,
-            "ids": ids[a:b],
-            "text": text[a:b] if text is not None else None,
-            "mask": mask[a:b],
-            "logprobs": logprobs[a:b],
-            "experts": experts[0][a:b] if experts is not None else None,
-            "train": train[a:b] if train is not None else None,
-        }
+    def part(kind: Literal["context", "completion"], a: int, b: int) -> Part:
+        # Built from a typed Segment: validating every token of a long trajectory again would cost more
+        # than the rest of the answer.
+        return Part.model_construct(
+            kind=kind,
+            start=a,
+            ids=ids[a:b],
+            text=text[a:b] if text is not None else None,
+            mask=mask[a:b],
+            logprobs=logprobs[a:b],
+            experts=experts[0][a:b] if experts is not None else None,
+            train=train[a:b] if train is not None else None,
+        )
 
     for m, a, b in runs:
         if m == 0:
@@ -989,44 +1060,38 @@ def _turns(
         parts.append(part("completion", a, b))
         completion = "".join(text[a:b]) if text is not None else ""
         turns.append(
-            {
-                "turn": turn_indices[turn_no] if turn_no < len(turn_indices) else None,
-                "parts": parts,
-                "tool_calls": _tool_calls(completion),
-                "tokens": b - a,
-                "mean_logprob": statistics.fmean(logprobs[a:b]) if b > a else None,
-            }
+            TurnView(
+                turn=turn_indices[turn_no] if turn_no < len(turn_indices) else None,
+                parts=parts,
+                tool_calls=_tool_calls(completion),
+                tokens=b - a,
+                mean_logprob=statistics.fmean(logprobs[a:b]) if b > a else None,
+            )
         )
         turn_no += 1
     if pending is not None:
         turns.append(
-            {
-                "turn": None,
-                "parts": [part("context", *pending)],
-                "tool_calls": [],
-                "tokens": 0,
-                "mean_logprob": None,
-            }
+            TurnView(turn=None, parts=[part("context", *pending)], tool_calls=[], tokens=0, mean_logprob=None)
         )
     return turns
 
 
-def _tool_calls(text: str) -> list[dict[str, Any]]:
+def _tool_calls(text: str) -> list[ToolCall]:
     """Tool calls in a completion, in the hermes format the tiny policies and Qwen models use."""
     calls = []
     for body in _TOOL_CALL_RE.findall(text):
         try:
             obj = json.loads(body)
         except ValueError:
-            calls.append({"name": None, "arguments": body, "valid": False})
+            calls.append(ToolCall(name=None, arguments=body, valid=False))
             continue
         if isinstance(obj, dict):
             args = obj.get("arguments")
             calls.append(
-                {
-                    "name": str(obj.get("name")) if obj.get("name") is not None else None,
-                    "arguments": args if isinstance(args, str) else json.dumps(args, indent=1),
-                    "valid": True,
-                }
+                ToolCall(
+                    name=str(obj.get("name")) if obj.get("name") is not None else None,
+                    arguments=args if isinstance(args, str) else json.dumps(args, indent=1),
+                    valid=True,
+                )
             )
     return calls

@@ -21,6 +21,8 @@ from urllib.parse import quote
 
 import httpx
 
+from .data import StoredTrial
+from .schemas import to_json
 from .server import STATIC_DIR, UiApp
 from .settings import UiSettings
 
@@ -101,19 +103,20 @@ def _csp_hash(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
 
 
-def _pick_trials(rows: list[dict[str, Any]], limit: int) -> list[str]:
+def _pick_trials(rows: list[StoredTrial], limit: int) -> list[str]:
     """Trajectories worth embedding: tampered ones, then one per (split, step, reason), then the rest."""
     chosen: list[str] = []
     seen: set[tuple[Any, ...]] = set()
     for r in rows:
-        if r["tamper_findings"]:
-            chosen.append(r["trial"])
+        if r.summary.tamper_findings:
+            chosen.append(r.summary.trial)
     for r in rows:
-        key = (r["split"], r["step"], r["termination_reason"], (r["reward"] or 0) > 0)
+        t = r.summary
+        key = (t.split, t.step, t.termination_reason, (r.reward or 0) > 0)
         if key not in seen:
             seen.add(key)
-            chosen.append(r["trial"])
-    chosen += [r["trial"] for r in rows]
+            chosen.append(t.trial)
+    chosen += [r.summary.trial for r in rows]
     unique = list(dict.fromkeys(chosen))
     return unique[:limit]
 
@@ -144,7 +147,7 @@ async def _responses(app: UiApp, max_trajectories: int) -> tuple[dict[str, Any],
             entry = await app.catalog.get(run_id)
             assert entry.store is not None
             rows = await asyncio.to_thread(entry.store.trials)
-            trials[run_id] = rows
+            trials[run_id] = [to_json(r.row) for r in rows]  # as the trial list's items
             for trial in _pick_trials(rows, max_trajectories):
                 responses[f"{base}/trials/{quote(trial, safe='')}"] = await ask(f"{base}/trials/{trial}")
         return responses, trials, title

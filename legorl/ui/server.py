@@ -11,9 +11,11 @@ at any path prefix, behind `kubectl port-forward` or `kubectl proxy`):
 - `POST /api/runs/{run}/actions/{pause|resume|validate}`: only with `Authorization: Bearer <token>`
   matching the configured action token; 403 when none is configured.
 
-Bad query parameters answer 400 with `{"error": {"message", "param"}}`; unknown runs, steps and
-trials 404. Responses carry a strict Content-Security-Policy; the front end builds every element from
-text (trajectories are untrusted model output).
+Every JSON answer is a model of `legorl.ui.schemas`: an `ApiRoute` takes it from its handler's return
+annotation, so each endpoint's shape is declared once. Bad query parameters answer 400 with
+`{"error": {"message", "param"}}`; unknown runs, steps and trials 404. Responses carry a strict
+Content-Security-Policy; the front end builds every element from text (trajectories are untrusted model
+output).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 import re
 import threading
 import time
+import typing
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -35,7 +38,6 @@ from typing import Any, Final
 from urllib.parse import parse_qs, unquote
 
 import httpx
-from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
@@ -46,7 +48,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from legorl.api import __version__
-from legorl.api.common import LocalObjectReference
+from legorl.api.common import Condition, LocalObjectReference
 from legorl.api.fleet import RolloutFleetSpec, RolloutFleetStatus
 from legorl.api.labels import (
     POLICY_VERSION_ANNOTATION,
@@ -62,12 +64,41 @@ from legorl.api.store import StoreError
 
 from . import diag
 from .catalog import Catalog, RunEntry
-from .data import REASONS, SORT_KEYS, NotFound, TrialQuery
+from .data import REASONS, SORT_KEYS, NotFound, StoreData, TrialQuery
 from .kube import ApiError, KubeSource, pod_stage
 from .resources import read_field, reported, status_of
+from .schemas import (
+    ActionDone,
+    Compare,
+    ComparedRun,
+    Curves,
+    Diagnostics,
+    EngineFigures,
+    EventView,
+    Fleet,
+    Health,
+    Info,
+    Outcomes,
+    Overview,
+    PodRow,
+    PoolView,
+    Replica,
+    Rules,
+    RunRow,
+    Runs,
+    Sandboxes,
+    Schema,
+    StoreCondition,
+    TaskGrid,
+    Trajectory,
+    TrialPage,
+    ValidationView,
+    given,
+    to_json_bytes,
+)
 from .settings import UiSettings
 
-__all__ = ["CSP", "UiApp", "start_in_thread"]
+__all__ = ["CSP", "ApiRoute", "UiApp", "start_in_thread"]
 
 log = logging.getLogger(__name__)
 
@@ -228,16 +259,37 @@ def _failure(request: Request, exc: Exception) -> Response:
     return _error(500, "internal error while answering; the UI's log has the details")
 
 
-def _api(handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Response]]:
-    """A route's endpoint: the handler's result as JSON, or the failure's answer."""
+def _api(
+    handler: Callable[[Request], Awaitable[Schema]], answer: type[Schema]
+) -> Callable[[Request], Awaitable[Response]]:
+    """A route's endpoint: the handler's answer (an `answer`) as JSON, or the failure's answer."""
 
     async def endpoint(request: Request) -> Response:
         try:
-            return _json(200, await handler(request))
+            result = await handler(request)
+            if not isinstance(result, answer):
+                raise TypeError(
+                    f"{request.url.path} answered a {type(result).__name__}, not its {answer.__name__}"
+                )
+            return Response(to_json_bytes(result), 200, media_type="application/json")
         except Exception as exc:  # noqa: BLE001 - every failure answers; unexpected ones are logged
             return _failure(request, exc)
 
     return endpoint
+
+
+class ApiRoute(Route):
+    """A JSON route. Its answer's model (`response_model`, a `schemas.Schema`) is its handler's return
+    annotation: the shape of what it sends is declared once, where the handler is."""
+
+    def __init__(
+        self, path: str, handler: Callable[[Request], Awaitable[Schema]], *, methods: list[str] | None = None
+    ) -> None:
+        answer = typing.get_type_hints(handler).get("return")
+        if not (isinstance(answer, type) and issubclass(answer, Schema)):
+            raise TypeError(f"{path}: the handler {handler.__name__} must declare the Schema it returns")
+        self.response_model: type[Schema] = answer
+        super().__init__(path, _api(handler, answer), methods=methods)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -290,21 +342,21 @@ class UiApp:
             Route("/", self.static, methods=_ANY_METHOD),
             Route("/index.html", self.static, methods=_ANY_METHOD),
             Route("/static/{name:path}", self.static, methods=_ANY_METHOD),
-            Route("/healthz", _api(self.healthz)),
-            Route("/api/info", _api(self.info)),
-            Route("/api/rules", _api(self.rules)),
-            Route("/api/compare", _api(self.compare)),
-            Route("/api/runs", _api(self.runs)),
-            Route(run, _api(self.overview)),
-            Route(f"{run}/curves", _api(self.curves)),
-            Route(f"{run}/outcomes", _api(self.outcomes)),
-            Route(f"{run}/tasks", _api(self.tasks)),
-            Route(f"{run}/trials", _api(self.trials)),
-            Route(f"{run}/trials/{{trial}}", _api(self.trajectory)),
-            Route(f"{run}/fleet", _api(self.fleet)),
-            Route(f"{run}/sandboxes", _api(self.sandboxes)),
-            Route(f"{run}/diagnostics", _api(self.diagnostics)),
-            Route(f"{run}/actions/{{action}}", _api(self.action), methods=["POST"]),
+            ApiRoute("/healthz", self.healthz),
+            ApiRoute("/api/info", self.info),
+            ApiRoute("/api/rules", self.rules),
+            ApiRoute("/api/compare", self.compare),
+            ApiRoute("/api/runs", self.runs),
+            ApiRoute(run, self.overview),
+            ApiRoute(f"{run}/curves", self.curves),
+            ApiRoute(f"{run}/outcomes", self.outcomes),
+            ApiRoute(f"{run}/tasks", self.tasks),
+            ApiRoute(f"{run}/trials", self.trials),
+            ApiRoute(f"{run}/trials/{{trial}}", self.trajectory),
+            ApiRoute(f"{run}/fleet", self.fleet),
+            ApiRoute(f"{run}/sandboxes", self.sandboxes),
+            ApiRoute(f"{run}/diagnostics", self.diagnostics),
+            ApiRoute(f"{run}/actions/{{action}}", self.action, methods=["POST"]),
         ]
         self.app = Starlette(
             routes=routes,
@@ -373,109 +425,107 @@ class UiApp:
         return await self.catalog.get(run)
 
     @staticmethod
-    def _need_store(entry: RunEntry) -> Any:
+    def _need_store(entry: RunEntry) -> StoreData:
         if entry.store is None:
             raise HttpError(
                 409, f"the run store of {entry.name!r} cannot be read by this UI: {entry.store_note}", "run"
             )
         return entry.store
 
-    async def _row(self, entry: RunEntry) -> dict[str, Any]:
-        row: dict[str, Any] = {
-            "id": entry.id,
-            "name": entry.name,
-            "namespace": entry.namespace,
-            "source": entry.source,
-            "store_note": entry.store_note,
-        }
+    async def _row(self, entry: RunEntry) -> RunRow:
+        row = RunRow(
+            id=entry.id,
+            name=entry.name,
+            namespace=entry.namespace,
+            source=entry.source,
+            store_note=entry.store_note,
+            conditions=[],
+            phase="Unknown",
+        )
         if entry.store is not None:
             try:
-                row.update(await asyncio.to_thread(entry.store.summary))
+                summary = await asyncio.to_thread(entry.store.summary)
             except (StoreError, OSError, ValueError) as exc:
-                row["store_note"] = f"cannot read the run store: {exc}"
-        row.setdefault("conditions", [])
-        if entry.resource is not None:
-            status = entry.status
-            metrics, trials = status.metrics, status.trials
-            row["phase"] = status.phase
-            row["conditions"] = [_wire(c) for c in status.conditions]
-            row["reason"] = status.reason
-            # What the status does not report (yet) leaves the store's figure standing.
-            for key, value in (
-                ("step", status.step if reported(status, "step") else None),
-                ("policy_version", status.policy_version),
-                ("reward_mean", metrics.reward_mean),
-                ("held_out", metrics.held_out_solve_rate),
-                ("baseline", metrics.baseline_solve_rate),
-                ("fidelity", metrics.fidelity_correlation),
-                ("trials_per_minute", metrics.trials_per_minute),
-                ("trials_total", trials.total if reported(trials, "total") else None),
-                ("trials_running", trials.running if reported(trials, "running") else None),
-                ("suspended", bool(read_field(RLRunSpec, entry.resource.get("spec"), "suspend"))),
-            ):
-                if value is not None:
-                    row[key] = value
-        else:
-            row["phase"] = _local_phase(row["conditions"])
-        return row
+                row.store_note = f"cannot read the run store: {exc}"
+            else:
+                row = row.model_copy(update=given(summary))
+        if entry.resource is None:
+            row.phase = _local_phase(row.conditions)
+            return row
+        status = entry.status
+        metrics, trials = status.metrics, status.trials
+        row.phase = status.phase
+        row.conditions = list(status.conditions)
+        row.reason = status.reason
+        # What the status does not report (yet) leaves the store's figure standing.
+        reports = {
+            "step": status.step if reported(status, "step") else None,
+            "policy_version": status.policy_version,
+            "reward_mean": metrics.reward_mean,
+            "held_out": metrics.held_out_solve_rate,
+            "baseline": metrics.baseline_solve_rate,
+            "fidelity": metrics.fidelity_correlation,
+            "trials_per_minute": metrics.trials_per_minute,
+            "trials_total": trials.total if reported(trials, "total") else None,
+            "trials_running": trials.running if reported(trials, "running") else None,
+            "suspended": bool(read_field(RLRunSpec, entry.resource.get("spec"), "suspend")),
+        }
+        return row.model_copy(update={key: value for key, value in reports.items() if value is not None})
 
     # --- handlers ----------------------------------------------------------------------------------------
-    async def healthz(self, request: Request) -> Any:
+    async def healthz(self, request: Request) -> Health:
         Params(request, ())
-        return {"ok": True}
+        return Health(ok=True)
 
-    async def info(self, request: Request) -> Any:
+    async def info(self, request: Request) -> Info:
         Params(request, ())
-        return {
-            "version": __version__,
-            "cluster": self.kube is not None,
-            "namespaces": list(self.settings.kube.namespaces) if self.settings.kube else [],
-            "actions_enabled": self.settings.actions_enabled,
-            "actions": list(ACTIONS),
-            "reasons": REASONS,
-            "static": False,
-        }
+        return Info(
+            version=__version__,
+            cluster=self.kube is not None,
+            namespaces=list(self.settings.kube.namespaces) if self.settings.kube else [],
+            actions_enabled=self.settings.actions_enabled,
+            actions=list(ACTIONS),
+            reasons=REASONS,
+            static=False,
+        )
 
-    async def rules(self, request: Request) -> Any:
+    async def rules(self, request: Request) -> Rules:
         Params(request, ())
         return await asyncio.to_thread(diag.rules)
 
-    async def runs(self, request: Request) -> Any:
+    async def runs(self, request: Request) -> Runs:
         Params(request, ())
         entries, note = await self.catalog.runs()
         rows = [await self._row(e) for e in entries]
-        return {"runs": rows, "cluster_note": note}
+        return Runs(runs=rows, cluster_note=note)
 
-    async def overview(self, request: Request) -> Any:
+    async def overview(self, request: Request) -> Overview:
         Params(request, ())
         entry = await self._entry(request)
-        out: dict[str, Any] = {"run": await self._row(entry)}
+        out = Overview(run=await self._row(entry), spec=None, conditions=[], preflight=[], events=[])
         if entry.store is not None:
-            out.update(await asyncio.to_thread(entry.store.overview))
-        if entry.resource is not None:
-            out["spec"] = entry.resource
+            out = out.model_copy(update=given(await asyncio.to_thread(entry.store.overview)))
+        if entry.resource is not None:  # the RLRun's word over its store's
             status = entry.status
-            out["conditions"] = [_wire(c) for c in status.conditions]
-            out["preflight"] = [_wire(p) for p in status.preflight]
-            out["status"] = entry.resource.get("status") or {}  # shown as the API server holds it
+            out.spec = entry.resource
+            out.conditions = list(status.conditions)
+            out.preflight = status.preflight
+            out.status = entry.resource.get("status") or {}  # shown as the API server holds it
             validation = status.validation
             if validation is not None:  # the RLRun's status is the newest word on its canary
-                out["validation"] = {
-                    "source": "cluster",
-                    "requested": validation.requested,
-                    "state": validation.state,
-                    "message": validation.message if reported(validation, "message") else None,
-                    "time": validation.completion_time or validation.start_time,
-                    "trial": validation.trial,
-                    "checks": [_wire(c) for c in validation.checks],
-                }
-            out["events"] = await self._events(entry)
-        else:
-            out.setdefault("preflight", [])
-            out["events"] = []
+                out.validation = ValidationView(
+                    source="cluster",
+                    requested=validation.requested,
+                    state=validation.state,
+                    message=validation.message if reported(validation, "message") else None,
+                    time=validation.completion_time or validation.start_time,
+                    trial=validation.trial,
+                    checks=list(validation.checks),
+                )
+            out.events = await self._events(entry)
         return out
 
-    async def _events(self, entry: RunEntry) -> list[dict[str, Any]]:
+    async def _events(self, entry: RunEntry) -> list[EventView]:
         if self.kube is None or entry.resource is None or entry.namespace is None:
             return []
         targets = [("RLRun", entry.name)]
@@ -485,35 +535,35 @@ class UiApp:
         for kind, name in targets:
             for e in await self.kube.events(entry.namespace, kind, name):
                 out.append(
-                    {
-                        "kind": kind,
-                        "object": name,
-                        "type": e.get("type"),
-                        "reason": e.get("reason"),
-                        "message": e.get("message"),
-                        "count": e.get("count"),
-                        "time": e.get("lastTimestamp") or e.get("eventTime") or e.get("firstTimestamp"),
-                    }
+                    EventView(
+                        kind=kind,
+                        object=name,
+                        type=e.get("type"),
+                        reason=e.get("reason"),
+                        message=e.get("message"),
+                        count=e.get("count"),
+                        time=e.get("lastTimestamp") or e.get("eventTime") or e.get("firstTimestamp"),
+                    )
                 )
-        out.sort(key=lambda e: str(e.get("time") or ""), reverse=True)
+        out.sort(key=lambda e: str(e.time or ""), reverse=True)
         return out[:200]
 
-    async def curves(self, request: Request) -> Any:
+    async def curves(self, request: Request) -> Curves:
         Params(request, ())
         entry = await self._entry(request)
         return await asyncio.to_thread(self._need_store(entry).curves)
 
-    async def outcomes(self, request: Request) -> Any:
+    async def outcomes(self, request: Request) -> Outcomes:
         Params(request, ())
         entry = await self._entry(request)
         return await asyncio.to_thread(self._need_store(entry).outcomes)
 
-    async def tasks(self, request: Request) -> Any:
+    async def tasks(self, request: Request) -> TaskGrid:
         Params(request, ())
         entry = await self._entry(request)
         return await asyncio.to_thread(self._need_store(entry).task_grid)
 
-    async def trials(self, request: Request) -> Any:
+    async def trials(self, request: Request) -> TrialPage:
         p = Params(
             request,
             (
@@ -567,12 +617,12 @@ class UiApp:
         entry = await self._entry(request)
         store = self._need_store(entry)
         if query.step is not None:
-            steps = await asyncio.to_thread(lambda: {r["step"] for r in store.trials()})
+            steps = await asyncio.to_thread(lambda: {r.summary.step for r in store.trials()})
             if query.step not in steps:
                 raise HttpError(404, f"run {entry.name!r} has no trials at step {query.step}", "step")
         return await asyncio.to_thread(store.query_trials, query)
 
-    async def trajectory(self, request: Request) -> Any:
+    async def trajectory(self, request: Request) -> Trajectory:
         Params(request, ())
         trial = _path_param(request, "trial")
         if not _TRIAL_RE.fullmatch(trial):
@@ -580,22 +630,20 @@ class UiApp:
         entry = await self._entry(request)
         return await asyncio.to_thread(self._need_store(entry).trajectory, trial)
 
-    async def fleet(self, request: Request) -> Any:
+    async def fleet(self, request: Request) -> Fleet:
         Params(request, ())
         entry = await self._entry(request)
-        out: dict[str, Any] = {"available": False, "replicas": []}
+        out = Fleet(available=False, replicas=[])
         if entry.store is not None:
-            trainer = await asyncio.to_thread(entry.store.trainer_state) or {}
-            out["trainer_policy_version"] = trainer.get("policy_version")
-            out["published_versions"] = await asyncio.to_thread(entry.store.published_versions)
+            out.trainer_policy_version = await asyncio.to_thread(entry.store.trainer_policy_version)
+            out.published_versions = await asyncio.to_thread(entry.store.published_versions)
         if entry.resource is not None and self.kube is not None and entry.namespace:
             name = _fleet_name(entry)
             body = await self.kube.get("RolloutFleet", entry.namespace, name)
             if body is None:
-                out["note"] = f"RolloutFleet {name!r} does not exist (yet)"
+                out.note = f"RolloutFleet {name!r} does not exist (yet)"
                 return out
             status = status_of(RolloutFleetStatus, body)
-            spec_replicas = read_field(RolloutFleetSpec, body.get("spec"), "replicas")
             pods = await self._selected_pods(entry.namespace, status.selector)
             by_name = {(p.get("metadata") or {}).get("name"): p for p in pods}
             replicas = []
@@ -604,28 +652,24 @@ class UiApp:
                 replicas.append(await self._replica(ep.name, ep.url, ep.ready, ep.policy_version, pod))
             for pod_name, pod in by_name.items():
                 replicas.append(await self._replica(pod_name, None, None, None, pod))
-            out.update(
-                available=True,
-                source="cluster",
-                name=name,
-                spec_replicas=spec_replicas,
-                ready_replicas=status.ready_replicas,
-                served_policy_version=status.served_policy_version,
-                conditions=[_wire(c) for c in status.conditions],
-                replicas=replicas,
-            )
+            out.available = True
+            out.source = "cluster"
+            out.name = name
+            out.spec_replicas = read_field(RolloutFleetSpec, body.get("spec"), "replicas")
+            out.ready_replicas = status.ready_replicas
+            out.served_policy_version = status.served_policy_version
+            out.conditions = status.conditions
+            out.replicas = replicas
             return out
         url = self.settings.engine_url(entry.name)
         if url is not None:
             replica = await self._replica("local engine", url, None, None, None)
-            out.update(
-                available=True,
-                source="local",
-                replicas=[replica],
-                served_policy_version=replica.get("policy_version"),
-            )
+            out.available = True
+            out.source = "local"
+            out.replicas = [replica]
+            out.served_policy_version = replica.policy_version
             return out
-        out["note"] = (
+        out.note = (
             "not available locally: this UI was not started by the process that runs the engine "
             "(`legorl run` serves the UI with its engine), and there is no cluster to read a RolloutFleet "
             "from"
@@ -646,33 +690,33 @@ class UiApp:
         ready: bool | None,
         policy_version: str | None,
         pod: dict[str, Any] | None,
-    ) -> dict[str, Any]:
-        replica: dict[str, Any] = {"name": name, "url": url, "ready": ready, "policy_version": policy_version}
+    ) -> Replica:
+        replica = Replica(name=name, url=url, ready=ready, policy_version=policy_version)
         if pod is not None:
             meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-            replica["phase"] = status.get("phase")
-            replica["node"] = (pod.get("spec") or {}).get("nodeName")
-            replica["restarts"] = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
-            replica["policy_version"] = replica["policy_version"] or (meta.get("annotations") or {}).get(
+            replica.phase = status.get("phase")
+            replica.node = (pod.get("spec") or {}).get("nodeName")
+            replica.restarts = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
+            replica.policy_version = replica.policy_version or (meta.get("annotations") or {}).get(
                 POLICY_VERSION_ANNOTATION
             )
         if url:
-            replica.update(await self._engine_metrics(url))
+            replica = replica.model_copy(update=given(await self._engine_metrics(url)))
         return replica
 
-    async def _engine_metrics(self, url: str) -> dict[str, Any]:
+    async def _engine_metrics(self, url: str) -> EngineFigures:
         """Queue and KV-cache usage from a vLLM's Prometheus metrics (best effort, 2 s)."""
         assert self._http is not None
-        out: dict[str, Any] = {}
         try:
             response = await self._http.get(url.rstrip("/") + "/metrics")
             values = _prometheus(response.text) if response.status_code == 200 else {}
         except httpx.HTTPError as exc:
-            return {"metrics_note": f"engine metrics unreachable: {type(exc).__name__}"}
-        out["running"] = values.get("vllm:num_requests_running")
-        out["waiting"] = values.get("vllm:num_requests_waiting")
-        kv = values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc"))
-        out["kv_usage"] = kv
+            return EngineFigures(metrics_note=f"engine metrics unreachable: {type(exc).__name__}")
+        out = EngineFigures(
+            running=values.get("vllm:num_requests_running"),
+            waiting=values.get("vllm:num_requests_waiting"),
+            kv_usage=values.get("vllm:kv_cache_usage_perc", values.get("vllm:gpu_cache_usage_perc")),
+        )
         try:
             info = await self._http.get(url.rstrip("/") + "/weight_info")
             if info.status_code == 200:
@@ -681,17 +725,17 @@ class UiApp:
                     data.get("weight_version") or data.get("version") if isinstance(data, dict) else None
                 )
                 if version:
-                    out["policy_version"] = str(version)
+                    out.policy_version = str(version)
         except (httpx.HTTPError, ValueError):
             pass  # /weight_info exists only in vLLM's dev mode; the version then stays unknown
         return out
 
-    async def sandboxes(self, request: Request) -> Any:
+    async def sandboxes(self, request: Request) -> Sandboxes:
         Params(request, ())
         entry = await self._entry(request)
-        out: dict[str, Any] = {"available": False}
+        out = Sandboxes(available=False)
         if entry.store is not None:
-            out["stage_stats"] = await asyncio.to_thread(entry.store.stage_stats)
+            out.stage_stats = await asyncio.to_thread(entry.store.stage_stats)
         if entry.resource is not None and self.kube is not None and entry.namespace:
             name = _pool_name(entry)
             pool = await self.kube.get("SandboxPool", entry.namespace, name)
@@ -701,45 +745,45 @@ class UiApp:
             for p in pods[:300]:
                 meta, status = p.get("metadata") or {}, p.get("status") or {}
                 rows.append(
-                    {
-                        "name": meta.get("name"),
-                        "trial": (meta.get("labels") or {}).get(TRIAL_LABEL),
-                        "stage": pod_stage(p),
-                        "phase": status.get("phase"),
-                        "node": (p.get("spec") or {}).get("nodeName"),
-                        "started": status.get("startTime"),
-                        "reason": status.get("reason"),
-                    }
+                    PodRow(
+                        name=meta.get("name"),
+                        trial=(meta.get("labels") or {}).get(TRIAL_LABEL),
+                        stage=pod_stage(p),
+                        phase=status.get("phase"),
+                        node=(p.get("spec") or {}).get("nodeName"),
+                        started=status.get("startTime"),  # the Pod's (Kubernetes core), not a legorl status
+                        reason=status.get("reason"),
+                    )
                 )
             pstatus = status_of(SandboxPoolStatus, pool)
-            out.update(
-                available=True,
-                source="cluster",
-                pool=None
+            out.available = True
+            out.source = "cluster"
+            out.pool = (
+                None
                 if pool is None
-                else {
-                    "name": name,
-                    "conditions": [_wire(c) for c in pstatus.conditions],
-                    "images_desired": pstatus.images_desired,
-                    "images_cached": pstatus.images_cached,
-                    "nodes": [_wire(n) for n in pstatus.nodes],
-                    "replicas": pstatus.replicas,
-                    "ready_replicas": pstatus.ready_replicas,
-                    "leased_replicas": pstatus.leased_replicas,
-                    "self_test": _wire(pstatus.self_test),
-                },
-                pool_note=None if pool is not None else f"SandboxPool {name!r} does not exist (yet)",
-                stages=dict(stages),
-                pods=rows,
+                else PoolView(
+                    name=name,
+                    conditions=pstatus.conditions,
+                    images_desired=pstatus.images_desired,
+                    images_cached=pstatus.images_cached,
+                    nodes=pstatus.nodes,
+                    replicas=pstatus.replicas,
+                    ready_replicas=pstatus.ready_replicas,
+                    leased_replicas=pstatus.leased_replicas,
+                    self_test=pstatus.self_test,
+                )
             )
+            out.pool_note = None if pool is not None else f"SandboxPool {name!r} does not exist (yet)"
+            out.stages = dict(stages)
+            out.pods = rows
             return out
-        out["note"] = (
+        out.note = (
             "not available locally: `legorl run` runs trials in local sandboxes (bubblewrap), without a "
             "SandboxPool, trial pods or an image cache; the stage timings below come from the run store"
         )
         return out
 
-    async def diagnostics(self, request: Request) -> Any:
+    async def diagnostics(self, request: Request) -> Diagnostics:
         Params(request, ())
         entry = await self._entry(request)
         pods: list[dict[str, Any]] = []
@@ -757,13 +801,13 @@ class UiApp:
             result = await asyncio.to_thread(diag.diagnose_run, data.store, run, pods, events)
         else:
             # Without cluster objects the findings depend on the store alone: keep them until it changes.
-            def compute() -> dict[str, Any]:
+            def compute() -> Diagnostics:
                 return diag.diagnose_run(data.store, run, pods, events)
 
             result = await asyncio.to_thread(lambda: data.memo("diagnostics", data.signature(), compute))
-        return {**result, "store_note": entry.store_note}
+        return result.model_copy(update={"store_note": entry.store_note})  # the memo's copy stays as it was
 
-    async def compare(self, request: Request) -> Any:
+    async def compare(self, request: Request) -> Compare:
         p = Params(request, ("runs",))
         text = p.text("runs", 2048)
         ids = [r for r in (text or "").split(",") if r]
@@ -780,10 +824,10 @@ class UiApp:
             entry = await self.catalog.get(run_id)
             row = await self._row(entry)
             curves = await asyncio.to_thread(entry.store.curves) if entry.store is not None else None
-            out.append({"run": row, "curves": curves})
-        return {"runs": out}
+            out.append(ComparedRun(run=row, curves=curves))
+        return Compare(runs=out)
 
-    async def action(self, request: Request) -> Any:
+    async def action(self, request: Request) -> ActionDone:
         await _read_body(request)
         Params(request, ())
         action = _path_param(request, "action")
@@ -813,7 +857,7 @@ class UiApp:
             patch = {"metadata": {"annotations": {VALIDATE_ANNOTATION: _now()}}}
         await self.kube.patch_run(entry.namespace, entry.name, patch)
         log.info("action %s on RLRun %s/%s", action, entry.namespace, entry.name)
-        return {"ok": True, "action": action, "run": entry.id, "patch": patch}
+        return ActionDone(ok=True, action=action, run=entry.id, patch=patch)
 
 
 def _path_param(request: Request, name: str) -> str:
@@ -841,19 +885,12 @@ def _pool_name(entry: RunEntry) -> str:
     return entry.status.pool_name or (ref.name if ref else None) or owned_pool_name(entry.name)
 
 
-def _wire(obj: BaseModel) -> dict[str, Any]:
-    """A part of a resource as the API server holds it (camelCase; the fields it gave, no defaults)."""
-    return obj.model_dump(mode="json", by_alias=True, exclude_unset=True)
-
-
-def _local_phase(conditions: list[dict[str, Any]]) -> str:
-    by_type = {c.get("type"): c for c in conditions}
-    if (by_type.get("Degraded") or {}).get("status") == "True":
-        return "Degraded"
-    if (by_type.get("Succeeded") or {}).get("status") == "True":
-        return "Succeeded"
-    if (by_type.get("Training") or {}).get("status") == "True":
-        return "Running"
+def _local_phase(conditions: list[Condition | StoreCondition]) -> str:
+    by_type = {c.type: c for c in conditions}
+    for kind, phase in (("Degraded", "Degraded"), ("Succeeded", "Succeeded"), ("Training", "Running")):
+        found = by_type.get(kind)
+        if found is not None and found.status == "True":
+            return phase
     return "Unknown"
 
 
