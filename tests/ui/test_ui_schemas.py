@@ -21,7 +21,7 @@ from legorl.ui.server import ApiRoute, UiApp
 from legorl.ui.settings import UiSettings
 from legorl.ui.synthetic import write_synthetic_store
 
-FIXTURE = Path(__file__).parent / "fixtures" / "ui-run" / "store"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "ui-run" / "store"
 CONDITION = {
     "type": "Ready",
     "status": "False",
