@@ -62,7 +62,7 @@ sys.path.insert(0, str(REPO))
 
 from legorl.api.kinds import RLRun  # noqa: E402
 from legorl.api.store import RunStore  # noqa: E402
-from tests import test_node_run as node_run  # noqa: E402
+from tests.e2e import test_node_run as node_run  # noqa: E402
 
 
 def _time(value: Any) -> float:

@@ -7,11 +7,9 @@ trainer and the CLI can all import the API without pulling in anything heavy.
 from __future__ import annotations
 
 import re
-import types
-from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Annotated, Any, Final, Literal, Self, TypeVar, Union, cast, get_args, get_origin
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -19,7 +17,6 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    ValidationError,
     WithJsonSchema,
 )
 from pydantic.alias_generators import to_camel
@@ -57,49 +54,6 @@ class ApiModel(BaseModel):
     def to_wire(self) -> dict[str, Any]:
         """Serialize as the API server stores it: camelCase, nulls omitted."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
-
-    @classmethod
-    def lenient(cls, data: object) -> Self:
-        """Read DATA (wire JSON) as far as it validates, for readers that must make sense of a document the
-        API server may never have checked (diagnostics of a partial or invalid spec).
-
-        A valid document is validated once, as `model_validate` does. Otherwise each field is validated on
-        its own with the model's own schema, a nested model read the same way, so a bad value costs only
-        its own field: that field keeps its default, as does every field left out; unknown keys are
-        ignored. `model_fields_set` names the fields read from DATA; a required field that is absent or
-        invalid stays unset (reading it raises AttributeError), so check `model_fields_set` before.
-        """
-        try:
-            return cls.model_validate(data)
-        except ValidationError:
-            # Not valid as a whole: read it field by field below.
-            given: Mapping[str, Any] = data if isinstance(data, Mapping) else {}
-        # Every field its default (required ones unset); pydantic's mypy plugin types this as ApiModel.
-        out = cast(Self, cls.model_construct())
-        for name, info in cls.model_fields.items():
-            key = info.alias if info.alias is not None and info.alias in given else name
-            if key not in given:
-                continue
-            value = given[key]
-            nested = _api_model_in(info.annotation)
-            if nested is not None and isinstance(value, Mapping):
-                value = nested.lenient(value)
-            try:
-                # The model's own validator for this one field: its constraints and strictness.
-                cls.__pydantic_validator__.validate_assignment(out, name, value)
-            except ValidationError:
-                continue  # an invalid value leaves the field at its default
-        return out
-
-
-def _api_model_in(annotation: Any) -> type[ApiModel] | None:
-    """The API model a field holds, directly or as `Model | None`; None for scalars and containers."""
-    if isinstance(annotation, type) and issubclass(annotation, ApiModel):
-        return annotation
-    if get_origin(annotation) in (Union, types.UnionType):
-        found = [m for arg in get_args(annotation) if (m := _api_model_in(arg)) is not None]
-        return found[0] if len(found) == 1 else None
-    return None
 
 
 CelReason = Literal["FieldValueInvalid", "FieldValueForbidden", "FieldValueRequired", "FieldValueDuplicate"]

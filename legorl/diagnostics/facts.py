@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from legorl.api.figures import EvalSummary, StepFigures
+from legorl.api.lenient import partial
 from legorl.api.run import (
     Algorithm,
     FidelityGuard,
@@ -204,10 +205,10 @@ class SpecFacts(_Facts):
 
     @classmethod
     def from_run(cls, run: Mapping[str, Any] | None) -> SpecFacts:
-        """Read an RLRun (Kubernetes JSON) through `RLRunSpec`, leniently (`ApiModel.lenient`): a valid spec
-        is validated once; in an invalid or partial one each value that does not validate, and each one
-        left out, keeps the API default, and the others are read."""
-        spec = RLRunSpec.lenient(_dict((run or {}).get("spec")))
+        """Read an RLRun (Kubernetes JSON) through `RLRunSpec`, leniently (`legorl.api.lenient.partial`): a
+        valid spec is validated once; in an invalid or partial one each value that does not validate, and
+        each one left out, keeps the API default, and the others are read."""
+        spec = partial(RLRunSpec, _dict((run or {}).get("spec")))
         algo, filt, trainer = spec.algorithm, spec.filter, spec.trainer
         harness = _given(spec, "harness")
         # Only an inline fleet or pool has its settings in the run; a shared one's (fleetRef, poolRef) leave

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from legorl.api.lenient import status_of
 from legorl.api.run import RLRunStatus
 from legorl.api.store import StoreLayout
 
 from .data import NotFound, StoreData
 from .kube import ApiError, KubeSource
-from .resources import status_of
 from .settings import UiSettings
 
 __all__ = ["Catalog", "RunEntry"]
@@ -34,7 +34,7 @@ class RunEntry:
     resource: dict[str, Any] | None = None
     """The RLRun as the API server holds it (cluster runs only)."""
     status: RLRunStatus = field(default_factory=RLRunStatus)
-    """The RLRun's status, typed (`resources.status_of`; the defaults for a local run store)."""
+    """The RLRun's status, typed (`legorl.api.lenient.status_of`; the defaults for a local run store)."""
     store_note: str | None = None
     """Why the run store cannot be read, when it cannot."""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -36,6 +36,7 @@ from legorl.api.figures import (
     TrainerState,
     ValidationReport,
 )
+from legorl.api.lenient import read_field, reported
 from legorl.api.progress import Progress
 from legorl.api.run import PolicySpec, RLRunSpec, StopConditions, TrajectoryFilter
 from legorl.api.store import RunStore, StoreError, StoreLayout, parse_policy_version
@@ -51,7 +52,6 @@ from legorl.api.trajectory import (
 )
 from legorl.api.weights import PUBLISHED_MARKER
 
-from .resources import read_field, reported
 from .schemas import (
     BatchView,
     CheckView,
@@ -357,7 +357,7 @@ class StoreData:
 
     def spec_field(self, name: str) -> Any:
         """Field `name` of the run's spec (`RLRunSpec`) as run.json gives it, read leniently; None when it
-        does not say (`resources.read_field`)."""
+        does not say (`legorl.api.lenient.read_field`)."""
         return read_field(RLRunSpec, (self.run_spec() or {}).get("spec"), name)
 
     def validation(self) -> ValidationView | None:

@@ -58,6 +58,7 @@ from legorl.api.labels import (
     owned_fleet_name,
     owned_pool_name,
 )
+from legorl.api.lenient import read_field, reported, status_of
 from legorl.api.pool import SandboxPoolStatus
 from legorl.api.run import RLRunSpec
 from legorl.api.store import StoreError
@@ -66,7 +67,6 @@ from . import diag
 from .catalog import Catalog, RunEntry
 from .data import REASONS, SORT_KEYS, NotFound, StoreData, TrialQuery
 from .kube import ApiError, KubeSource, pod_stage
-from .resources import read_field, reported, status_of
 from .schemas import (
     ActionDone,
     Compare,

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from legorl.api.fleet import RolloutFleetStatus
+from legorl.api.lenient import lenient, read_field, reported, status_of
 from legorl.api.pool import SandboxPoolStatus
 from legorl.api.run import RLRunSpec, RLRunStatus, StopConditions, TrajectoryFilter
 from legorl.api.termination import INFRA_REASONS, TerminationReason
-from legorl.ui.resources import lenient, read_field, reported, status_of
 
 STATUS: dict[str, Any] = {
     "observedGeneration": 3,

@@ -1,10 +1,10 @@
-"""The custom resources as the UI reads them: typed by `legorl.api`'s models, read leniently.
+"""Documents read leniently through the API's own models: the one reader for what may not validate.
 
-The UI shows what an older or a newer operator wrote, and a run store's `run.json` whatever wrote it, so a
-spec or status that does not validate must not take a page down: unknown fields are ignored, values are
-coerced where they can be (`"3"` for 3), and a field that still does not validate keeps its default (an
-object is then read field by field, a list item that does not validate is left out). What is read is the
-API's own type, never a key spelled here.
+The UI shows what an older or a newer operator wrote, and a run store's `run.json` whatever wrote it;
+diagnostics explains runs whose spec the API server may never have checked. Neither may fail on one bad
+value: unknown fields are ignored, values are coerced where they can be (`"3"` for 3), and a field that
+still does not validate keeps its default (an object is then read field by field, a list item that does not
+validate is left out). What is read is the API's own type, never a key spelled by the reader.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import functools
 import logging
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Final, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-__all__ = ["lenient", "read_field", "reported", "status_of"]
+__all__ = ["lenient", "partial", "read_field", "reported", "status_of"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,26 @@ def lenient(model: type[M], raw: object) -> M | None:
         return None
 
 
+def partial(model: type[M], raw: object) -> M:
+    """As `lenient`, for a reader that wants every value it can get even when the whole does not validate:
+    a required field that cannot be read stays unset (reading it raises AttributeError: check `reported`
+    first) instead of making the result None, and an object field is read the same way (a pool without its
+    required `source` still gives its other settings); a `raw` that is not an object gives the defaults.
+    Nothing is validated as a whole: use it to read, never to accept."""
+    if isinstance(raw, Mapping):
+        try:
+            return model.model_validate(raw, strict=False, extra="ignore")
+        except ValidationError as exc:
+            log.debug("%s: %d field(s) do not validate; reading what does", model.__name__, exc.error_count())
+    values: dict[str, Any] = {}
+    if isinstance(raw, Mapping):
+        for name in model.model_fields:
+            value = _field(model, name, raw, partial)
+            if value is not _UNREAD:
+                values[name] = value
+    return model.model_construct(_fields_set=set(values), **values)
+
+
 def read_field(model: type[BaseModel], raw: object, name: str) -> Any:
     """Field `name` of `model` as `raw` (an object of that model, as JSON) gives it, read leniently; None
     when `raw` does not give it or it cannot be read (not the model's default: a spec that does not say is
@@ -75,7 +95,14 @@ def reported(obj: BaseModel, name: str) -> bool:
     return name in obj.model_fields_set
 
 
-def _field(model: type[BaseModel], name: str, raw: Mapping[str, Any]) -> Any:
+def _field(
+    model: type[BaseModel],
+    name: str,
+    raw: Mapping[str, Any],
+    read: Callable[..., BaseModel | None] | None = None,
+) -> Any:
+    """Field `name` as `raw` gives it, validated alone; what can be read of it when it does not validate
+    (an object through `read`, `lenient` unless told); `_UNREAD` when `raw` does not give it."""
     info = model.model_fields[name]
     key = info.alias or name
     if key not in raw:
@@ -85,10 +112,12 @@ def _field(model: type[BaseModel], name: str, raw: Mapping[str, Any]) -> Any:
         return _adapter(model, name).validate_python(value, strict=False, extra="ignore")
     except ValidationError as exc:
         log.debug("%s.%s does not validate: %s", model.__name__, key, exc)
-    return _salvage(info.annotation, value, _adapter(model, name))
+    return _salvage(info.annotation, value, _adapter(model, name), read or lenient)
 
 
-def _salvage(annotation: Any, value: Any, adapter: TypeAdapter[Any]) -> Any:
+def _salvage(
+    annotation: Any, value: Any, adapter: TypeAdapter[Any], read: Callable[..., BaseModel | None]
+) -> Any:
     """What can be read of a value that does not validate: an object field by field, a list of objects
     without the items that cannot be read; `_UNREAD` for anything else."""
     inner = _model_in(annotation)
@@ -101,7 +130,9 @@ def _salvage(annotation: Any, value: Any, adapter: TypeAdapter[Any]) -> Any:
         except ValidationError as exc:  # the list's own bounds
             log.debug("%s items do not validate as a list: %s", inner.__name__, exc)
             return _UNREAD
-    found = lenient(inner, value)
+    if not isinstance(value, Mapping):
+        return _UNREAD  # not even an object: nothing of it can be read
+    found = read(inner, value)
     return _UNREAD if found is None else found
 
 
