@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         model_dir = args.model_dir
         if model_dir is None:
-            from legorl.trainer.tiny import make_tiny_model  # noqa: PLC0415
+            from legorl.trainer.models.tiny import make_tiny_model  # noqa: PLC0415
 
             model_dir = make_tiny_model(root / "tiny-moe")
         store = root / "store"

@@ -24,7 +24,7 @@ the question the family asks, Pearson of bf16 rollout vs training log-probs with
 rollout is the trainer's own bf16 sampler with routing recorded, not vLLM: vLLM's Gated DeltaNet layers need
 its Triton/FlashInfer kernels and a CUDA vLLM build, which the check machine lacks (run the embedded loop on
 a GPU image for the engine side). Without flash-linear-attention installed, Gated DeltaNet runs the torch
-gated delta rule on the GPU too (`legorl.trainer.hybrid`).
+gated delta rule on the GPU too (`legorl.trainer.models.hybrid`).
 Not here (one GPU): tensor, expert and pipeline parallelism over NCCL, and NCCL weight sync into vLLM (no
 CUDA vLLM fits the check machine). Transformer Engine is not used: it is not installed on the check
 machine and cannot be fetched there; the local layer spec runs the same model (see docs/trainer.md for the
@@ -222,7 +222,7 @@ def hf_logits(model_dir: Path, ids: torch.Tensor, dtype: torch.dtype, device: to
 
 
 def check_equivalence(model_dir: Path, size: dict[str, Any], device: torch.device) -> None:
-    from legorl.trainer import convert, model  # noqa: PLC0415
+    from legorl.trainer.models import convert, model  # noqa: PLC0415
 
     arch = model.MoeArchitecture.from_hf(model_dir)
     gen = torch.Generator().manual_seed(0)
@@ -249,7 +249,8 @@ def check_equivalence(model_dir: Path, size: dict[str, Any], device: torch.devic
 
 
 def check_replay(model_dir: Path, size: dict[str, Any], device: torch.device) -> None:
-    from legorl.trainer import convert, model, replay  # noqa: PLC0415
+    from legorl.trainer import replay  # noqa: PLC0415
+    from legorl.trainer.models import convert, model  # noqa: PLC0415
 
     arch = model.MoeArchitecture.from_hf(model_dir)
     gen = torch.Generator().manual_seed(1)
@@ -449,7 +450,7 @@ def check_throughput(
 
 
 def check_export(model_dir: Path, device: torch.device, out: Path) -> None:
-    from legorl.trainer import convert, model  # noqa: PLC0415
+    from legorl.trainer.models import convert, model  # noqa: PLC0415
 
     arch = model.MoeArchitecture.from_hf(model_dir)
     net = model.build_model(arch, dtype=torch.float32, device=device)
@@ -505,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run with --device cpu to test the script itself", file=sys.stderr)
         return 2
     device = torch.device(args.device)
-    from legorl.trainer import compat, model  # noqa: PLC0415
+    from legorl.trainer.models import compat, model  # noqa: PLC0415
 
     if device.type == "cpu":
         compat.enable_cpu_compat()

@@ -3,12 +3,11 @@
     python benchmarks/hybrid_equivalence.py      # about 5 minutes on 2 CPUs
 
 1. Against transformers (fp32, eager attention, its torch fallbacks), on the tiny random checkpoints of
-   `legorl.trainer.tiny.make_tiny_hybrid` (Qwen3-Next and Qwen3.5-MoE's text model): logits of 12 sequences
-   of 80 tokens (4 seeds × 3; the gated delta rule's chunks are 64 tokens), each Gated DeltaNet layer on the
-   reference's own input, every non-expert gradient (relative to its largest entry), the export round trip,
-   and one control per new feature (that feature mis-mapped: how far the logits move).
-2. Across layouts: tests/support/trainer_ranks.py (a real `TrainingService` under torchrun, gloo, routing
-replay on)
+   `legorl.trainer.models.tiny.make_tiny_hybrid` (Qwen3-Next and Qwen3.5-MoE's text model): logits of 12
+   sequences of 80 tokens (4 seeds × 3; the gated delta rule's chunks are 64 tokens), each Gated DeltaNet
+   layer on the reference's own input, every non-expert gradient (relative to its largest entry), the export
+   round trip, and one control per new feature (that feature mis-mapped: how far the logits move).
+2. Across layouts: tests/support/trainer_ranks.py (a real `TrainingService` under torchrun, gloo, routing replay on)
    on one committed batch of the Qwen3-Next preset, in float64, each layout against one rank — the same
    comparison as benchmarks/trainer_equivalence.py (whose functions it uses).
 Results: `benchmarks/results/hybrid_equivalence.json`.
@@ -70,7 +69,7 @@ def _rewrite(source: Path, target: Path, change: Any) -> Path:
 
 def _controls(arch: Any, directory: Path, root: Path, net: Any) -> dict[str, float]:
     """max |Δ logit| with one feature mis-mapped at a time."""
-    from legorl.trainer import convert, model  # noqa: PLC0415
+    from legorl.trainer.models import convert, model  # noqa: PLC0415
 
     d, heads, nk, dk = (
         arch.head_dim,
@@ -120,7 +119,7 @@ def _controls(arch: Any, directory: Path, root: Path, net: Any) -> dict[str, flo
 
 
 def against_transformers(directory: Path, root: Path) -> dict[str, Any]:
-    from legorl.trainer import convert, model  # noqa: PLC0415
+    from legorl.trainer.models import convert, model  # noqa: PLC0415
 
     arch = model.MoeArchitecture.from_hf(directory)
     net: Any = model.build_model(arch)
@@ -192,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--skip-layouts", action="store_true", help="only the comparison with transformers")
     args = p.parse_args(argv)
-    from legorl.trainer import model  # noqa: PLC0415
-    from legorl.trainer.tiny import HYBRID_FAMILIES, make_tiny_hybrid  # noqa: PLC0415
+    from legorl.trainer.models import model  # noqa: PLC0415
+    from legorl.trainer.models.tiny import HYBRID_FAMILIES, make_tiny_hybrid  # noqa: PLC0415
 
     model.init_distributed()
     report: dict[str, Any] = {

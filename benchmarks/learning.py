@@ -8,8 +8,8 @@ The protocol (docs/loop.md, "The learning result"), per seed, on the embedded de
    training fix. The benchmark writes its own manifest with the training tasks and the tasks of the split
    it reports (`--split`), so the other held-out split is not even in the run.
 2. **Warm start**: SFT of a fresh tiny Qwen3-MoE on demonstrations of the *training* tasks only
-   (`legorl.trainer.reading`), at most `--sft-steps` steps, stopped once 0.15 of its sampled validation
-   fixes are exact: honestly imperfect, it copies the fix from the test output some of the time.
+   (`legorl.trainer.warmstart.reading`), at most `--sft-steps` steps, stopped once 0.15 of its sampled
+   validation fixes are exact: honestly imperfect, it copies the fix from the test output some of the time.
 3. **RL**: `legorl run` (vLLM CPU, mini-swe-agent in local sandboxes, megatron-core GRPO, weight sync
    after every step) on the training tasks, `tasks.split.taskSetSplit: <split>`: the reported split is
    scored at the start (v0) and after the last step (final), never in between.
@@ -50,8 +50,8 @@ from legorl.api.store import RunStore
 from legorl.controller.plan import wilson_interval
 from legorl.sandbox.reading import GENERATOR_VERSION, SPLITS, TEST_COMMAND, builtin_task_set
 from legorl.sandbox.task import load_task_set, write_jsonl
-from legorl.trainer import reading as recipe
-from legorl.trainer.demos import SUBMIT_COMMAND as SUBMIT
+from legorl.trainer.warmstart import reading as recipe
+from legorl.trainer.warmstart.demos import SUBMIT_COMMAND as SUBMIT
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -292,7 +292,7 @@ def _warm_start(seed: int, s: Settings, out: Path, demos: dict[str, Path], log: 
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     stdout = sh(
-        [PY, "-m", "legorl.trainer.reading", "warmstart", "--demos", str(demos["train"]),
+        [PY, "-m", "legorl.trainer.warmstart.reading", "warmstart", "--demos", str(demos["train"]),
          "--validation", str(demos["validation"]), "--out", str(out), "--seed", str(seed),
          "--steps", str(s.sft_steps), "--learning-rate", str(s.sft_learning_rate),
          "--target-copying", str(s.target_copying)],
@@ -303,8 +303,9 @@ def _warm_start(seed: int, s: Settings, out: Path, demos: dict[str, Path], log: 
 
 
 def warm_start_key(seed: int, s: Settings, demos: dict[str, Path]) -> str:
-    """What the warm start depends on: the seed, its settings, its recipe (legorl.trainer.reading) and the
-    demonstrations. Runs that differ in RL settings or in the split they report share it (work/warm/...)."""
+    """What the warm start depends on: the seed, its settings, its recipe (legorl.trainer.warmstart.reading)
+    and the demonstrations. Runs that differ in RL settings or in the split they report share it
+    (work/warm/...)."""
     recipe_settings = [asdict(recipe.READING_SETTINGS), recipe.CHECK_FROM, recipe.CHECK_EVERY]
     return hashlib.sha256(
         json.dumps([seed, s.sft_steps, s.sft_learning_rate, s.target_copying, recipe_settings]).encode()
@@ -352,8 +353,9 @@ def one_seed(
     more = here / "more-sft"
     more_summary = json.loads(
         sh(
-            [PY, "-m", "legorl.trainer.reading", "rejection", "--start", str(v0), "--store", str(rl_store),
-             "--train-ids", str(here / "train-ids.json"), "--out", str(more), "--seed", str(seed),
+            [PY, "-m", "legorl.trainer.warmstart.reading", "rejection", "--start", str(v0),
+             "--store", str(rl_store), "--train-ids", str(here / "train-ids.json"), "--out", str(more),
+             "--seed", str(seed),
              "--steps", str(final_step * s.mini_batches), "--learning-rate", str(s.more_sft_learning_rate)],
             log,
         ).strip().splitlines()[-1]
@@ -501,8 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         if not demos[split].exists():
             say(f"recording the {split} demonstrations with mini-swe-agent")
             limit = ["--limit", str(s.demo_tasks)] if s.demo_tasks is not None else []
-            sh([PY, "-m", "legorl.trainer.reading", "demos", "--tasks", str(manifest), "--split", split,
-                "--out", str(demos[split]), *limit], log)  # fmt: skip
+            sh([PY, "-m", "legorl.trainer.warmstart.reading", "demos", "--tasks", str(manifest),
+                "--split", split, "--out", str(demos[split]), *limit], log)  # fmt: skip
         check_demonstrations(demos[split], split, manifest)
     seeds = []
     for seed in args.seeds:

@@ -76,7 +76,7 @@ ENGINE_CODE = """
 import sys
 import uvicorn
 from legorl.proxy.testing import FakeEngine
-from legorl.trainer.engine_versions import WeightVersions
+from legorl.trainer.engine.versions import WeightVersions
 engine = FakeEngine(chunk_tokens=int(sys.argv[2]), delay_per_chunk=float(sys.argv[3]))
 engine.record_requests = False
 async def version(scope):

@@ -55,8 +55,8 @@ def make(model: Path, store: Path, *, trials: int, tokens: int) -> None:
     transformers: Any = transformers_typed  # its constructors are partly untyped
 
     from legorl.api.store import RunStore  # noqa: PLC0415
+    from legorl.trainer.models.tiny import byte_level_bpe, chat_tokenizer, qwen3_moe_config, training_corpus  # noqa: PLC0415
     from legorl.trainer.sampling import Sample, to_trial  # noqa: PLC0415
-    from legorl.trainer.tiny import byte_level_bpe, chat_tokenizer, qwen3_moe_config, training_corpus  # noqa: PLC0415
 
     tokenizer = chat_tokenizer(byte_level_bpe(training_corpus(0, documents=300), vocab_size=4000))
     tokenizer.save_pretrained(str(model))
@@ -111,9 +111,9 @@ def worker(args: argparse.Namespace) -> None:
 
     from legorl.api.store import RunStore  # noqa: PLC0415
     from legorl.trainer import parallel  # noqa: PLC0415
-    from legorl.trainer.convert import HfExport  # noqa: PLC0415
-    from legorl.trainer.publish import publish_weights  # noqa: PLC0415
+    from legorl.trainer.models.convert import HfExport  # noqa: PLC0415
     from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
+    from legorl.trainer.sync.publish import publish_weights  # noqa: PLC0415
     from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

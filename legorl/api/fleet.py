@@ -34,9 +34,9 @@ DEFAULT_ENGINE_IMAGE = f"{ENGINE_IMAGE_REPOSITORY}:0.1.0"
 WEIGHT_TRANSFER_BACKENDS = {"Filesystem": "legorl_filesystem", "NCCL": "nccl"}
 """vLLM weight-transfer backend per weightSync.method (`--weight-transfer-config`); `legorl_filesystem` is
 registered by legorl's worker extension, `nccl` is vLLM's own."""
-ENGINE_WORKER_EXTENSION = "legorl.trainer.engine_plugin.FilesystemWeightTransfer"
+ENGINE_WORKER_EXTENSION = "legorl.trainer.engine.plugin.FilesystemWeightTransfer"
 """The worker extension (`--worker-extension-cls`) that registers `legorl_filesystem`."""
-ENGINE_MIDDLEWARE = "legorl.trainer.engine_versions.WeightVersions"
+ENGINE_MIDDLEWARE = "legorl.trainer.engine.versions.WeightVersions"
 """The API-server middleware (`--middleware`) that names the weight versions behind every answer."""
 PLUGIN_WEIGHT_SYNC = frozenset({"Filesystem"})
 """Weight-sync methods whose engine command line names legorl's plugin (the backend, the worker extension

@@ -1,6 +1,6 @@
 """How an engine says which weight versions served a model call (the engine → proxy contract).
 
-The fleet's vLLM runs legorl's middleware (`legorl.trainer.engine_versions.WeightVersions`), which
+The fleet's vLLM runs legorl's middleware (`legorl.trainer.engine.versions.WeightVersions`), which
 tracks every model call in flight and every weight version that became current while it was: the
 versions whose weights can have sampled one of its tokens. It hands them to the proxy with the answer,
 so the proxy needs no `GET /weight_info` of its own and the versions come from the replica that served

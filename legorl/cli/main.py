@@ -203,7 +203,7 @@ def _run_ui(argv: Sequence[str]) -> int:
 
 
 def _run_sft(argv: Sequence[str]) -> int:
-    from legorl.trainer.sft import main as sft_main  # noqa: PLC0415 - imports torch
+    from legorl.trainer.warmstart.sft import main as sft_main  # noqa: PLC0415 - imports torch
 
     return sft_main(list(argv))
 

@@ -486,7 +486,7 @@ def smoke_sandbox_init(docker: Docker, image: str, row: dict[str, Any]) -> list[
 def smoke_trainer(docker: Docker, image: str) -> list[str]:
     # A tiny Qwen3-MoE checkpoint made in the image (torch, transformers, tokenizers), then the
     # embedded default's RLRun checked against it (settings, layout, model config).
-    make = "from pathlib import Path; from legorl.trainer.tiny import make_tiny_model; "
+    make = "from pathlib import Path; from legorl.trainer.models.tiny import make_tiny_model; "
     make += "make_tiny_model(Path('/tmp/model'))"
     check = (
         "python -m legorl.trainer --spec /examples/tiny-local.yaml --store file:///tmp/store --check "
@@ -510,7 +510,7 @@ def smoke_trainer(docker: Docker, image: str) -> list[str]:
     ]
 
 
-TINY_MODEL = REPO / "trainer" / "legorl" / "trainer" / "tiny.py"
+TINY_MODEL = REPO / "trainer" / "legorl" / "trainer" / "models" / "tiny.py"
 """`make_tiny_model` (the tests' and `builtin://tiny-moe`'s random Qwen3-MoE); the engine image runs it
 from the checkout: it needs torch, transformers and tokenizers, which vLLM brings, and nothing of legorl."""
 MAKE_TINY_MODEL = (
@@ -631,16 +631,16 @@ def smoke_engine(docker: Docker, image: str) -> list[str]:
             started = time.monotonic() - start
             checks = _engine_checks(url, fleet.spec.served_model_name)
     return [
-        f"a tiny Qwen3-MoE made in the image (legorl.trainer.tiny, {made:.0f} s); the fleet's Deployment "
-        f"run as its pod would (`vllm serve` as 65532, read-only root, its env and {len(flags)} flags, "
-        f"{', '.join(wanted)} among them): /health after {started:.0f} s",
+        f"a tiny Qwen3-MoE made in the image (legorl.trainer.models.tiny, {made:.0f} s); the fleet's "
+        f"Deployment run as its pod would (`vllm serve` as 65532, read-only root, its env and {len(flags)} "
+        f"flags, {', '.join(wanted)} among them): /health after {started:.0f} s",
         *checks,
     ]
 
 
 def _engine_checks(url: str, model: str) -> list[str]:
     """A completion that names its weight version (the middleware), then a weight swap through the
-    plugin's backend, as the trainer runs it (legorl.trainer.fleet_sync), and a completion under it."""
+    plugin's backend, as the trainer runs it (legorl.trainer.sync.fleet_sync), and a completion under it."""
 
     def complete() -> tuple[str, list[str] | None]:
         # With log-probs, as every trial's proxy asks: vLLM's sampler computes their ranks with a function

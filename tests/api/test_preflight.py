@@ -295,8 +295,8 @@ def test_a_custom_engine_image_needs_legorls_plugin_for_filesystem_sync() -> Non
     # What must be inside the image, and how to get it there.
     for words in (
         "registry.example.com/ml/vllm:0.33.0-patched is not legorl's engine image",
-        "--worker-extension-cls legorl.trainer.engine_plugin.FilesystemWeightTransfer",
-        "--middleware legorl.trainer.engine_versions.WeightVersions",
+        "--worker-extension-cls legorl.trainer.engine.plugin.FilesystemWeightTransfer",
+        "--middleware legorl.trainer.engine.versions.WeightVersions",
         "backend legorl_filesystem",
         "vLLM exits at start",
         "Use ghcr.io/legorl/engine:0.1.0",

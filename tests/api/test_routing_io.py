@@ -17,7 +17,7 @@ import torch
 from legorl.api.store import RunStore
 from legorl.api.trajectory import Segment, TerminationReason, TrialRecord, routing_array
 from legorl.trainer.data import pack_micro_batches, sequences_from_trials
-from legorl.trainer.model import MoeArchitecture
+from legorl.trainer.models.model import MoeArchitecture
 from legorl.trainer.replay import engine_to_megatron
 from tests.support.trajectory_v1 import write_v1_batch
 

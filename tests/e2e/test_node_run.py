@@ -93,7 +93,7 @@ def task_rows() -> list[dict[str, Any]]:
 
 def policy_checkpoint() -> Path:
     """builtin://tiny-swe, made by `legorl sft` on first use (cached)."""
-    from legorl.trainer.sft import ensure_tiny_swe  # noqa: PLC0415 - torch: only when this module runs
+    from legorl.trainer.warmstart.sft import ensure_tiny_swe  # noqa: PLC0415 - torch: only when this module runs
 
     return ensure_tiny_swe()
 

@@ -201,8 +201,8 @@ def test_vllm_command_line_follows_the_spec() -> None:
         "--enable-return-routed-experts",
         "--enable-auto-tool-choice --tool-call-parser hermes",
         '--weight-transfer-config {"backend":"legorl_filesystem"}',
-        "--worker-extension-cls legorl.trainer.engine_plugin.FilesystemWeightTransfer",
-        "--middleware legorl.trainer.engine_versions.WeightVersions",
+        "--worker-extension-cls legorl.trainer.engine.plugin.FilesystemWeightTransfer",
+        "--middleware legorl.trainer.engine.versions.WeightVersions",
     ):
         assert expected in joined, expected
     assert "--distributed-executor-backend" not in joined
@@ -227,7 +227,7 @@ def test_the_versions_middleware_runs_where_it_can_be_exact(spec: dict[str, Any]
     # It needs legorl in the engine image (only the Filesystem extension guarantees it) and one API server
     # process (each process sees only the weight swaps it served); elsewhere the proxies read /weight_info.
     joined = " ".join(vllm_args(fleet_from(spec), "org/m", []))
-    assert ("--middleware legorl.trainer.engine_versions.WeightVersions" in joined) is middleware
+    assert ("--middleware legorl.trainer.engine.versions.WeightVersions" in joined) is middleware
 
 
 def test_cpu_fleet_requests_no_gpus_and_sizes_its_kv_cache() -> None:

@@ -41,7 +41,7 @@ from legorl.proxy.journal import read_journal
 from legorl.proxy.settings import ProxySettings
 from legorl.proxy.testing import FakeEngine, render_prompt
 from legorl.telemetry.traces import trial_span_id, trial_trace_id
-from legorl.trainer.engine_versions import WeightVersions
+from legorl.trainer.engine.versions import WeightVersions
 from legorl.trialproxy.client import ProxyClient
 from tests.support.asgi_server import free_port, serve
 

@@ -847,7 +847,7 @@ def _plugin_modules() -> dict[str, Path]:
         return None
 
     found: dict[str, Path] = {}
-    todo = ["legorl.trainer.engine_plugin", "legorl.trainer.engine_versions"]
+    todo = ["legorl.trainer.engine.plugin", "legorl.trainer.engine.versions"]
     while todo:
         module = todo.pop()
         path = source(module)
@@ -900,7 +900,7 @@ def test_the_flags_the_fleet_renders_name_what_the_plugin_defines() -> None:
         assert name in classes, f"{module} defines no class {name}"
     (backend,) = [
         n.value.value
-        for n in plugin["legorl.trainer.engine_plugin"].body
+        for n in plugin["legorl.trainer.engine.plugin"].body
         if isinstance(n, ast.Assign)
         and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["BACKEND_NAME"]
         and isinstance(n.value, ast.Constant)

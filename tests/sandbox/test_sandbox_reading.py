@@ -17,7 +17,7 @@ import pytest
 from legorl.sandbox import reading
 from legorl.sandbox.task import SPLIT_KEY, TaskSet, load_task_set
 from legorl.sandbox.workspace import checkout_source
-from legorl.trainer.demos import SUBMIT_COMMAND, grade_commands
+from legorl.trainer.warmstart.demos import SUBMIT_COMMAND, grade_commands
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,9 @@ import torch
 
 def make(tiny: Path, store: Path) -> None:
     from legorl.api.store import RunStore  # noqa: PLC0415
+    from legorl.trainer.models.tiny import make_tiny_model  # noqa: PLC0415
     from legorl.trainer.sampling import sample, to_trial  # noqa: PLC0415
     from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
-    from legorl.trainer.tiny import make_tiny_model  # noqa: PLC0415
     from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
 
     if not (tiny / "config.json").is_file():
@@ -124,7 +124,8 @@ class RecordingTransfer:
 
 def _assembled_state(trainer: Any) -> dict[str, dict[str, torch.Tensor]] | None:
     """Every rank's checkpoint state, each tensor whole (by key and field), on the writer."""
-    from legorl.trainer import convert, parallel  # noqa: PLC0415
+    from legorl.trainer import parallel  # noqa: PLC0415
+    from legorl.trainer.models import convert  # noqa: PLC0415
 
     parts = parallel.gather_objects(trainer.state()["params"])
     if parts is None:
@@ -240,7 +241,7 @@ def run(args: argparse.Namespace) -> None:
         service.run_step(step)
         token_logprobs[step] = dict(trainer.token_logprobs)
     parallel.reduce_gradients = reduce
-    from legorl.trainer import convert  # noqa: PLC0415
+    from legorl.trainer.models import convert  # noqa: PLC0415
 
     out["grads"] = convert.gather_hf_state_dict(trainer.model, trainer.arch, values=grads) if grads else None
     out["state"] = _assembled_state(trainer)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from legorl.api.trajectory import TrialRecord
+from legorl.trainer.models.tiny import make_tiny_model
 from legorl.trainer.settings import TrainerSettings
-from legorl.trainer.tiny import make_tiny_model
 
 PROMPTS = [[11, 42, 7, 300], [5, 900, 17], [1200, 8, 64, 33, 2]]
 

@@ -3,11 +3,11 @@
 Real megatron-core on CPU: Gated DeltaNet layers assembled from megatron's own modules on its local spec (its
 own Qwen3-Next builder needs Transformer Engine), its torch gated delta rule in place of flash-linear-
 attention's Triton kernels; real transformers (fp32, eager attention, its torch fallbacks) as the reference,
-on tiny random checkpoints made here (`legorl.trainer.tiny.make_tiny_hybrid`: 2 Gated DeltaNet + 2 gated
-full-attention layers, shared experts, partial RoPE, zero-centred norms). Sequences of 80 tokens cross the
-gated delta rule's 64-token chunk boundary. Each new feature has a control: the same comparison with that one
-feature mis-mapped moves logits far beyond the tolerance. The RL step at TP=1 and TP2 × EP2 × DP2 runs real
-`TrainingService`s under torchrun (tests/support/trainer_ranks.py), with routing replay on.
+on tiny random checkpoints made here (`legorl.trainer.models.tiny.make_tiny_hybrid`: 2 Gated DeltaNet + 2
+gated full-attention layers, shared experts, partial RoPE, zero-centred norms). Sequences of 80 tokens cross
+the gated delta rule's 64-token chunk boundary. Each new feature has a control: the same comparison with that
+one feature mis-mapped moves logits far beyond the tolerance. The RL step at TP=1 and TP2 × EP2 × DP2 runs
+real `TrainingService`s under torchrun (tests/support/trainer_ranks.py), with routing replay on.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from safetensors.torch import load_file, save_file
 
 from legorl.api.layout import ParallelLayout
 from legorl.manifests.generated import to_yaml
-from legorl.trainer import convert, model
-from legorl.trainer.model import ModelConfigError, MoeArchitecture
-from legorl.trainer.tiny import HYBRID_FAMILIES, hybrid_config, make_tiny_hybrid
+from legorl.trainer.models import convert, model
+from legorl.trainer.models.model import ModelConfigError, MoeArchitecture
+from legorl.trainer.models.tiny import HYBRID_FAMILIES, hybrid_config, make_tiny_hybrid
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")]
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from legorl.trainer.models.tiny import make_tiny_model
 from legorl.trainer.settings import TrainerSettings
-from legorl.trainer.tiny import make_tiny_model
 
 pytestmark = [pytest.mark.slow]
 

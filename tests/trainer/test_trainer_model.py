@@ -1,7 +1,7 @@
 """The Megatron policy against transformers on the same weights: logits, padding, gradients, conversion.
 
 Real megatron-core on CPU (the compatibility layer on), real transformers (fp32, eager attention) as the
-reference, the tiny random Qwen3-MoE checkpoint of legorl.trainer.tiny (what tests/support/engine.py serves).
+reference, the tiny random Qwen3-MoE checkpoint of legorl.trainer.models.tiny (what tests/support/engine.py serves).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from legorl.trainer import compat, convert, model
-from legorl.trainer.convert import ConversionError
-from legorl.trainer.model import ModelConfigError, MoeArchitecture
-from legorl.trainer.tiny import make_tiny_model
+from legorl.trainer.models import compat, convert, model
+from legorl.trainer.models.convert import ConversionError
+from legorl.trainer.models.model import ModelConfigError, MoeArchitecture
+from legorl.trainer.models.tiny import make_tiny_model
 
 pytestmark = [
     # megatron-core 0.16's own RowParallelLinear passes tp_group=None to its helper, which then warns on

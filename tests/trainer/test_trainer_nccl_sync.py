@@ -157,8 +157,8 @@ def test_nccl_sync_sends_the_gathered_weights_to_every_replica(
 def test_a_dns_name_reaches_every_replica_behind_it(tmp_path: Path) -> None:
     """`dns+http://name:port` (the operator's headless Service of the serving pods) is every address the name
     has, looked up at every sync: two replicas on 127.0.0.1 and 127.0.0.2, the same port, both synced."""
-    from legorl.trainer.fleet_sync import FleetWeightSync  # noqa: PLC0415
-    from legorl.trainer.publish import WeightSyncError, publish_weights  # noqa: PLC0415
+    from legorl.trainer.sync.fleet_sync import FleetWeightSync  # noqa: PLC0415
+    from legorl.trainer.sync.publish import WeightSyncError, publish_weights  # noqa: PLC0415
 
     first = Replica(workers=1)
     second = Replica(workers=1, address=("127.0.0.2", first.port))

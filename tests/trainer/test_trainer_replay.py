@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from legorl.trainer import convert, model, replay
-from legorl.trainer.model import MoeArchitecture
+from legorl.trainer import replay
+from legorl.trainer.models import convert, model
+from legorl.trainer.models.model import MoeArchitecture
+from legorl.trainer.models.tiny import make_tiny_model
 from legorl.trainer.replay import ReplayError, RouterReplayer
-from legorl.trainer.tiny import make_tiny_model
 
 pytestmark = [
     # megatron-core 0.16's own RowParallelLinear passes tp_group=None to its helper, which then warns on

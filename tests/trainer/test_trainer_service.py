@@ -21,8 +21,8 @@ from legorl.api.store import RunStore
 from legorl.api.termination import TerminationReason
 from legorl.api.trajectory import TrialRecord
 from legorl.manifests.generated import to_yaml
+from legorl.trainer.models.tiny import make_tiny_model
 from legorl.trainer.settings import SettingsError, TrainerSettings
-from legorl.trainer.tiny import make_tiny_model
 
 pytestmark = [pytest.mark.slow]
 
@@ -102,8 +102,8 @@ def commit(store: RunStore, batches: list[list[TrialRecord]], steps: range) -> N
 def test_service_trains_publishes_and_records(
     tiny: Path, tmp_path: Path, batches: list[list[TrialRecord]]
 ) -> None:
-    from legorl.trainer.publish import read_published  # noqa: PLC0415
     from legorl.trainer.service import TrainingService  # noqa: PLC0415
+    from legorl.trainer.sync.publish import read_published  # noqa: PLC0415
 
     store = RunStore(str(tmp_path / "store"))
     commit(store, batches, range(1, 3))
@@ -205,7 +205,7 @@ def test_resume_gives_the_same_next_step(
 
 
 def test_settings_refuse_layouts_that_cannot_run(tiny: Path, tmp_path: Path) -> None:
-    from legorl.trainer.model import MoeArchitecture  # noqa: PLC0415
+    from legorl.trainer.models.model import MoeArchitecture  # noqa: PLC0415
 
     shape = MoeArchitecture.from_hf(tiny).shape()  # 4 heads, 2 KV heads, 8 experts, 2 layers
     with pytest.raises(SettingsError, match=r"parallelism.tensor: tensor × pipeline × context = 1 × 2 × 1"):

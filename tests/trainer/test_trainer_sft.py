@@ -21,8 +21,9 @@ from transformers import AutoTokenizer
 from legorl.sandbox import bundled
 from legorl.sandbox.bundled import builtin_task_set
 from legorl.sandbox.task import TaskSet, load_task_set
-from legorl.trainer import convert, demos, model, sft
 from legorl.trainer.main import resolve_checkpoint
+from legorl.trainer.models import convert, model
+from legorl.trainer.warmstart import demos, sft
 from tests.support.engine import SERVED_MODEL_NAME, VllmServer
 
 MIX = (0.4, 0.3, 0.3)

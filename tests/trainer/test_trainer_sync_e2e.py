@@ -19,8 +19,8 @@ import torch
 
 from legorl.api.store import RunStore
 from legorl.api.trajectory import TrialRecord
+from legorl.trainer.models.tiny import make_tiny_model
 from legorl.trainer.settings import TrainerSettings
-from legorl.trainer.tiny import make_tiny_model
 from tests.support.engine import SERVED_MODEL_NAME, VllmServer
 
 pytestmark = [pytest.mark.slow]
@@ -41,7 +41,7 @@ def server(tiny: Path) -> Iterator[VllmServer]:
         "--weight-transfer-config",
         '{"backend":"legorl_filesystem"}',
         "--worker-extension-cls",
-        "legorl.trainer.engine_plugin.FilesystemWeightTransfer",
+        "legorl.trainer.engine.plugin.FilesystemWeightTransfer",
     ]
     with VllmServer(tiny, max_model_len=1024, extra_args=extra) as running:
         yield running
@@ -184,9 +184,9 @@ def test_restart_after_a_failed_sync_brings_the_fleet_up_to_date(
 ) -> None:
     """v2 is published and recorded but its sync fails for good: the restarted trainer loads it."""
     from legorl.api.weights import PublishedWeights  # noqa: PLC0415
-    from legorl.trainer.fleet_sync import FleetWeightSync  # noqa: PLC0415
-    from legorl.trainer.publish import WeightSyncError  # noqa: PLC0415
     from legorl.trainer.service import TrainingService  # noqa: PLC0415
+    from legorl.trainer.sync.fleet_sync import FleetWeightSync  # noqa: PLC0415
+    from legorl.trainer.sync.publish import WeightSyncError  # noqa: PLC0415
 
     with httpx.Client(base_url=server.url, timeout=120) as http:
         store = RunStore(str(tmp_path / "store"))
@@ -228,8 +228,8 @@ def test_a_replica_back_from_the_checkpoint_gets_the_newest_version_between_step
     import threading  # noqa: PLC0415
 
     from legorl.api.weights import PublishedWeights  # noqa: PLC0415
-    from legorl.trainer.fleet_sync import FleetWeightSync  # noqa: PLC0415
     from legorl.trainer.service import TrainingService  # noqa: PLC0415
+    from legorl.trainer.sync.fleet_sync import FleetWeightSync  # noqa: PLC0415
 
     store = RunStore(str(tmp_path / "store"))
     with httpx.Client(base_url=server.url, timeout=120) as http:

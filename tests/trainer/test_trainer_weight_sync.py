@@ -29,8 +29,9 @@ from legorl.api.weights import PUBLISHED_MARKER, PublishedWeights
 from legorl.proxy.app import ProxyApp
 from legorl.proxy.journal import read_journal
 from legorl.proxy.settings import ProxySettings
-from legorl.trainer.fleet_sync import FleetWeightSync, update_info
-from legorl.trainer.publish import (
+from legorl.trainer.models.tiny import make_tiny_model
+from legorl.trainer.sync.fleet_sync import FleetWeightSync, update_info
+from legorl.trainer.sync.publish import (
     INDEX_FILE,
     REJECTED,
     WeightSyncError,
@@ -38,7 +39,6 @@ from legorl.trainer.publish import (
     read_published,
     sha256_files,
 )
-from legorl.trainer.tiny import make_tiny_model
 from tests.support.asgi_server import serve
 from tests.support.engine import SERVED_MODEL_NAME, VllmServer, free_port
 
@@ -46,9 +46,9 @@ ENGINE_ARGS = [
     "--weight-transfer-config",
     '{"backend":"legorl_filesystem"}',
     "--worker-extension-cls",
-    "legorl.trainer.engine_plugin.FilesystemWeightTransfer",
+    "legorl.trainer.engine.plugin.FilesystemWeightTransfer",
     "--middleware",
-    "legorl.trainer.engine_versions.WeightVersions",
+    "legorl.trainer.engine.versions.WeightVersions",
 ]
 # Exactness bars (fp32 engine vs fp32 transformers). Measured: Pearson 1.000000 (to 1e-10), max |Δlogp|
 # ≈ 5e-5 to 8e-5 on the prompt log-probs; the perturbed weights move log-probs by ~20 and a stale MoE
@@ -315,7 +315,7 @@ def test_fleet_client_rejects_bad_configuration() -> None:
 def test_importing_the_engine_plugin_pulls_in_neither_vllm_nor_megatron_nor_httpx() -> None:
     # vLLM's worker processes import this module; the trainer image may have no vLLM.
     code = (
-        "import sys, legorl.trainer.engine_plugin as w; "
+        "import sys, legorl.trainer.engine.plugin as w; "
         "heavy = sorted(m for m in ('vllm', 'megatron', 'httpx', 'transformers') if m in sys.modules); "
         "print(heavy); assert not heavy"
     )

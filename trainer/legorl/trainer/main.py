@@ -101,17 +101,17 @@ def resolve_checkpoint(uri: str, cache: Path, *, revision: str | None = None) ->
 
     `builtin://tiny-moe` is made under `cache` (seconds); `builtin://tiny-swe` (the SFT-warm-started policy,
     minutes to make) is made once per machine under $LEGORL_CACHE_DIR (default ~/.cache/legorl) and shared
-    by every run (`legorl.trainer.sft.ensure_tiny_swe`).
+    by every run (`legorl.trainer.warmstart.sft.ensure_tiny_swe`).
     """
     scheme, _, rest = uri.partition("://")
     if uri == TINY_SWE:
-        from legorl.trainer.sft import ensure_tiny_swe  # noqa: PLC0415
+        from legorl.trainer.warmstart.sft import ensure_tiny_swe  # noqa: PLC0415
 
         return ensure_tiny_swe()
     if uri == TINY_MOE:
         target = cache / "tiny-moe"
         if not (target / "config.json").is_file():
-            from legorl.trainer.tiny import make_tiny_model  # noqa: PLC0415
+            from legorl.trainer.models.tiny import make_tiny_model  # noqa: PLC0415
 
             make_tiny_model(target)
         return target
@@ -191,7 +191,7 @@ def _load_run(args: argparse.Namespace) -> Any:
 
 def _model_shape(checkpoint: Path) -> Any:
     """The checkpoint's shape for the layout check, when its config.json is here already (else None)."""
-    from legorl.trainer.architecture import ModelConfigError, MoeArchitecture  # noqa: PLC0415
+    from legorl.trainer.models.architecture import ModelConfigError, MoeArchitecture  # noqa: PLC0415
 
     if not (checkpoint / "config.json").is_file():
         return None

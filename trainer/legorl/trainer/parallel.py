@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from legorl.trainer import compat
+from legorl.trainer.models import compat
 
 with compat.silence_import_warnings():
     from megatron.core import parallel_state as ps

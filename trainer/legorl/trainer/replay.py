@@ -19,8 +19,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from legorl.trainer import compat
-from legorl.trainer.model import MoeArchitecture, unwrap
+from legorl.trainer.models import compat
+from legorl.trainer.models.model import MoeArchitecture, unwrap
 
 with compat.silence_import_warnings():
     from megatron.core.transformer.moe.router import TopKRouter
@@ -91,7 +91,7 @@ def check_replay_active(model: torch.nn.Module, arch: MoeArchitecture) -> None:
     if getattr(config, "moe_router_fusion", False):
         raise ReplayError(
             "the model's config has moe_router_fusion=True: megatron's fused router skips routing replay "
-            "without a word; build it with legorl.trainer.model.build_model (router fusion off)"
+            "without a word; build it with legorl.trainer.models.model.build_model (router fusion off)"
         )
     if not getattr(config, "moe_enable_routing_replay", False):
         raise ReplayError(

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from legorl.api.trajectory import Segment, TerminationReason, TrialRecord, routing_array
-from legorl.trainer import model, replay
+from legorl.trainer import replay
+from legorl.trainer.models import model
 
 
 @dataclass(frozen=True)

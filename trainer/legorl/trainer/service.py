@@ -29,11 +29,11 @@ from legorl.api.store import RunStore, StoreError, parse_policy_version, policy_
 from legorl.api.weights import PublishedWeights
 from legorl.trainer import parallel
 from legorl.trainer.checkpoint import CheckpointStore, load_checkpoint, save_checkpoint
-from legorl.trainer.convert import HfExport
-from legorl.trainer.fleet_sync import FleetWeightSync
-from legorl.trainer.nccl_sync import NcclWeightSync
-from legorl.trainer.publish import WeightSyncError, publish_weights, read_published
+from legorl.trainer.models.convert import HfExport
 from legorl.trainer.settings import SettingsError, TrainerSettings
+from legorl.trainer.sync.fleet_sync import FleetWeightSync
+from legorl.trainer.sync.nccl_sync import NcclWeightSync
+from legorl.trainer.sync.publish import WeightSyncError, publish_weights, read_published
 from legorl.trainer.telemetry import TrainerTelemetry
 from legorl.trainer.train import PolicyTrainer
 

@@ -36,7 +36,8 @@ import torch
 from legorl.api.figures import StepFigures
 from legorl.api.store import policy_version
 from legorl.api.trajectory import TrialRecord
-from legorl.trainer import compat, convert, data, loss, model, parallel, pipeline, replay
+from legorl.trainer import data, loss, parallel, pipeline, replay
+from legorl.trainer.models import compat, convert, model
 from legorl.trainer.settings import SettingsError, TrainerSettings
 
 log = logging.getLogger(__name__)

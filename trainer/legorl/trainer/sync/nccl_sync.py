@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from legorl.trainer.fleet_sync import FleetWeightSync, PauseMode, ReplicaSync
-from legorl.trainer.publish import WeightSyncError, check_version
+from legorl.trainer.sync.fleet_sync import FleetWeightSync, PauseMode, ReplicaSync
+from legorl.trainer.sync.publish import WeightSyncError, check_version
 
 __all__ = ["NcclSyncReport", "NcclWeightSync"]
 

@@ -10,11 +10,11 @@ not interleaved; an untied output layer unless the config ties it; router softma
 `moe_router_pre_softmax = not norm_topk_prob` (normalised top-k is a softmax over the top-k logits), no
 top-k scaling, no load-balancing loss.
 
-The hybrid-attention family (Qwen3-Next, Qwen3.5; `legorl.trainer.hybrid` builds its linear-attention layers)
-adds: Gated DeltaNet at the layers `layer_types` names (megatron's `linear_*` config fields); full attention
-with megatron's `attention_output_gate` (sigmoid of a gate projected with the query); zero-centred RMSNorm
-(`(1 + w)`, megatron's `layernorm_zero_centered_gamma`) for the layer, q/k and final norms; RoPE over the
-first `rotary_percent` of each head; a shared expert with megatron's sigmoid `moe_shared_expert_gate`.
+The hybrid-attention family (Qwen3-Next, Qwen3.5; `legorl.trainer.models.hybrid` builds its linear-attention
+layers) adds: Gated DeltaNet at the layers `layer_types` names (megatron's `linear_*` config fields); full
+attention with megatron's `attention_output_gate` (sigmoid of a gate projected with the query); zero-centred
+RMSNorm (`(1 + w)`, megatron's `layernorm_zero_centered_gamma`) for the layer, q/k and final norms; RoPE over
+the first `rotary_percent` of each head; a shared expert with megatron's sigmoid `moe_shared_expert_gate`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from legorl.trainer import compat, hybrid
-from legorl.trainer.architecture import ModelConfigError, MoeArchitecture
+from legorl.trainer.models import compat, hybrid
+from legorl.trainer.models.architecture import ModelConfigError, MoeArchitecture
 
 with compat.silence_import_warnings():
     from megatron.core import parallel_state, tensor_parallel

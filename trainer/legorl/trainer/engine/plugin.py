@@ -1,7 +1,7 @@
 """The vLLM worker plugin: the `legorl_filesystem` weight-transfer backend and its worker extension.
 
 Runs inside vLLM's worker processes: the operator renders
-`--worker-extension-cls legorl.trainer.engine_plugin.FilesystemWeightTransfer`. Importing this module
+`--worker-extension-cls legorl.trainer.engine.plugin.FilesystemWeightTransfer`. Importing this module
 registers the backend, which reads a directory written by `publish.publish_weights` and loads it in place
 with vLLM's layer-wise reload. It checks the payload against the served checkpoint *before* touching the
 model (a failed load after vLLM's reload started leaves layers on the meta device and the next forward
@@ -29,7 +29,7 @@ import safetensors
 import torch
 
 from legorl.api.weights import PUBLISHED_MARKER
-from legorl.trainer.publish import (
+from legorl.trainer.sync.publish import (
     REJECTED,
     TensorSpec,
     WeightSyncError,
@@ -62,7 +62,7 @@ class LoadRecord:
 
 
 class FilesystemWeightTransfer:
-    """vLLM worker extension (`--worker-extension-cls legorl.trainer.engine_plugin.FilesystemWeightTransfer`).
+    """vLLM worker extension (`--worker-extension-cls legorl.trainer.engine.plugin.FilesystemWeightTransfer`).
 
     vLLM resolves this class in each worker before it builds the model; importing this module there
     registers the `legorl_filesystem` weight-transfer backend, which the worker then instantiates for

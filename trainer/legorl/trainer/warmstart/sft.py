@@ -1,9 +1,9 @@
 """`legorl sft` and `builtin://tiny-swe`: a tiny Qwen3-MoE warm-started on demonstrations of mini-swe-agent's
 action format, so reinforcement learning on one machine starts from a policy that sometimes succeeds.
 
-What it is trained on (`legorl.trainer.demos`): for every task of `builtin://tiny-python`, three recorded
-mini-swe-agent conversations — the correct fix then submit, a plausible wrong fix then submit, submit at
-once — each opening with a fixed sentence shared by all tasks. The loss weights them by a mixture (default
+What it is trained on (`legorl.trainer.warmstart.demos`): for every task of `builtin://tiny-python`, three
+recorded mini-swe-agent conversations — the correct fix then submit, a plausible wrong fix then submit, submit
+at once — each opening with a fixed sentence shared by all tasks. The loss weights them by a mixture (default
 40/30/30), so the trained policy *chooses* a behaviour with about those odds at temperature 1 (the first
 token of its answer; the sentences are single tokens of the tokenizer) and then reproduces that behaviour's
 command for the task. It is deliberately imperfect: about 40% of first answers fix the task. Reinforcement
@@ -58,13 +58,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from legorl.trainer.tiny import CHAT_TEMPLATE, IM_END
+from legorl.trainer.models.tiny import CHAT_TEMPLATE, IM_END
 
 if TYPE_CHECKING:
     import torch
 
     from legorl.sandbox.task import TaskSet
-    from legorl.trainer.demos import Demonstration, Turn
+    from legorl.trainer.warmstart.demos import Demonstration, Turn
 
 __all__ = [
     "SFT_VERSION",
@@ -236,7 +236,7 @@ def build_tokenizer(
 ) -> Any:
     """A byte-level BPE (split after newlines; GPT-2 style without `split_lines`) trained on every
     demonstration's full text as the engine renders it, with SWE_CHAT_TEMPLATE."""
-    from legorl.trainer.tiny import byte_level_bpe, chat_tokenizer  # noqa: PLC0415
+    from legorl.trainer.models.tiny import byte_level_bpe, chat_tokenizer  # noqa: PLC0415
 
     # Rendering text needs only the template and the special tokens: an untrained tokenizer will do.
     renderer = chat_tokenizer(byte_level_bpe([], vocab_size=300, split_lines=True), SWE_CHAT_TEMPLATE)
@@ -254,7 +254,7 @@ def build_tokenizer(
 
 def write_skeleton(directory: Path, tokenizer: Any, settings: SftSettings) -> Path:
     """Tokenizer, config.json and generation_config.json of the model (no weights yet)."""
-    from legorl.trainer.tiny import generation_config, qwen3_moe_config  # noqa: PLC0415
+    from legorl.trainer.models.tiny import generation_config, qwen3_moe_config  # noqa: PLC0415
 
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(directory))
@@ -322,7 +322,7 @@ def selected_logits(
     """
     import torch  # noqa: PLC0415
 
-    from legorl.trainer import model  # noqa: PLC0415
+    from legorl.trainer.models import model  # noqa: PLC0415
 
     batch, seq_len = inputs.shape
     positions = torch.arange(seq_len).unsqueeze(0).expand(batch, seq_len)
@@ -373,7 +373,7 @@ def sft_train(
     """
     import torch  # noqa: PLC0415
 
-    from legorl.trainer import compat, model  # noqa: PLC0415
+    from legorl.trainer.models import compat, model  # noqa: PLC0415
 
     compat.enable_cpu_compat()
     started = time.perf_counter()
@@ -381,7 +381,7 @@ def sft_train(
     arch = model.MoeArchitecture.from_hf(checkpoint_dir)
     net = model.build_model(arch, dtype=torch.float32, device="cpu")
     if init_weights:
-        from legorl.trainer import convert  # noqa: PLC0415
+        from legorl.trainer.models import convert  # noqa: PLC0415
 
         convert.load_hf_weights(net, checkpoint_dir, arch)
     params = [p for p in net.parameters() if p.requires_grad]
@@ -509,7 +509,7 @@ def teacher_forced(net: Any, rows: Sequence[SftSequence], *, batch_size: int = 6
     """
     import torch  # noqa: PLC0415
 
-    from legorl.trainer import model  # noqa: PLC0415
+    from legorl.trainer.models import model  # noqa: PLC0415
 
     opening: dict[str, dict[str, float]] = {}
     exact: list[float] = []
@@ -542,7 +542,7 @@ def measure_first_turns(
     """Sample `samples` first answers per task at temperature 1 (and one greedy answer) and compare them with
     the demonstrations: the behaviour chosen (by its opening sentence) and whether the whole first turn is
     exactly the demonstration's for that behaviour."""
-    from legorl.trainer.demos import THOUGHTS, Behaviour  # noqa: PLC0415
+    from legorl.trainer.warmstart.demos import THOUGHTS, Behaviour  # noqa: PLC0415
 
     firsts: dict[str, dict[str, list[int]]] = {}
     prompts: dict[str, list[int]] = {}
@@ -596,7 +596,8 @@ def make_tiny_swe(
     written to `out/sft.json`)."""
     from legorl.sandbox.bundled import builtin_task_set  # noqa: PLC0415
     from legorl.sandbox.task import load_task_set  # noqa: PLC0415
-    from legorl.trainer import convert, demos  # noqa: PLC0415
+    from legorl.trainer.models import convert  # noqa: PLC0415
+    from legorl.trainer.warmstart import demos  # noqa: PLC0415
 
     settings = settings or SftSettings()
     started = time.perf_counter()
@@ -713,8 +714,9 @@ def _locked(path: Path) -> Iterator[None]:
 def ensure_tiny_swe(cache_dir: Path | None = None, *, build: Callable[[Path], None] | None = None) -> Path:
     """The `builtin://tiny-swe` checkpoint folder, made on first use (see the module docstring).
 
-    `build(folder)` writes a checkpoint into a fresh folder; the default runs `python -m legorl.trainer.sft
-    --out FOLDER` in a child process. Concurrent callers wait on a lock and find the finished folder.
+    `build(folder)` writes a checkpoint into a fresh folder; the default runs `python -m
+    legorl.trainer.warmstart.sft --out FOLDER` in a child process. Concurrent callers wait on a lock and find
+    the finished folder.
     """
     from legorl.sandbox.bundled import default_cache_dir  # noqa: PLC0415
 
@@ -745,7 +747,7 @@ def ensure_tiny_swe(cache_dir: Path | None = None, *, build: Callable[[Path], No
 
 def _build_in_child(folder: Path) -> None:
     proc = subprocess.run(  # noqa: S603 -- this interpreter, this module
-        [sys.executable, "-m", "legorl.trainer.sft", "--out", str(folder)], check=False
+        [sys.executable, "-m", "legorl.trainer.warmstart.sft", "--out", str(folder)], check=False
     )
     if proc.returncode != 0:
         raise RuntimeError(f"building {TINY_SWE} failed (exit {proc.returncode}); see the output above")

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from legorl.trainer.sft import (
+from legorl.trainer.models.tiny import IM_END
+from legorl.trainer.warmstart.sft import (
     SftSequence,
     SftSettings,
     build_sequences,
@@ -38,11 +39,10 @@ from legorl.trainer.sft import (
     sft_train,
     write_skeleton,
 )
-from legorl.trainer.tiny import IM_END
 
 if TYPE_CHECKING:
     from legorl.sandbox.task import TaskSet
-    from legorl.trainer.demos import Demonstration
+    from legorl.trainer.warmstart.demos import Demonstration
 
 __all__ = [
     "READING_SETTINGS",
@@ -69,7 +69,7 @@ CHECK_EVERY = 20
 
 
 def fix_and_submit(fix_command: str) -> str:
-    from legorl.trainer.demos import SUBMIT_COMMAND  # noqa: PLC0415
+    from legorl.trainer.warmstart.demos import SUBMIT_COMMAND  # noqa: PLC0415
 
     return f"{fix_command} && {SUBMIT_COMMAND}"
 
@@ -85,7 +85,7 @@ def demonstrations(
 
     from legorl.sandbox.reading import TEST_COMMAND  # noqa: PLC0415
     from legorl.sandbox.workspace import checkout_source  # noqa: PLC0415
-    from legorl.trainer.demos import Behaviour, Demonstration, mini_config, record  # noqa: PLC0415
+    from legorl.trainer.warmstart.demos import Behaviour, Demonstration, mini_config, record  # noqa: PLC0415
 
     config = mini_config()
     tasks = [t for t in task_set if t.split == split][:limit]
@@ -112,7 +112,7 @@ def save_demonstrations(demos: Sequence[Demonstration], path: Path) -> None:
 
 
 def load_demonstrations(path: Path) -> list[Demonstration]:
-    from legorl.trainer.demos import Behaviour, Demonstration, Turn  # noqa: PLC0415
+    from legorl.trainer.warmstart.demos import Behaviour, Demonstration, Turn  # noqa: PLC0415
 
     out = []
     for line in path.read_text().splitlines():
@@ -141,7 +141,7 @@ class CopyScore:
 def _second_turns(
     tokenizer: Any, demos: Sequence[Demonstration], tools: Sequence[Mapping[str, Any]]
 ) -> list[tuple[list[int], list[int]]]:
-    from legorl.trainer.sft import _completion_ids, render_prompt  # noqa: PLC0415
+    from legorl.trainer.warmstart.sft import _completion_ids, render_prompt  # noqa: PLC0415
 
     out = []
     for demo in demos:
@@ -154,7 +154,7 @@ def measure_copying(
     net: Any, tokenizer: Any, demos: Sequence[Demonstration], *, samples: int = 4, seed: int = 0
 ) -> CopyScore:
     """Score the second turn (the fix, read off the test output) of `demos`' tasks with the megatron model."""
-    from legorl.trainer.demos import bash_tool  # noqa: PLC0415
+    from legorl.trainer.warmstart.demos import bash_tool  # noqa: PLC0415
 
     pairs = _second_turns(tokenizer, demos, [bash_tool()])
     stop = [tokenizer.convert_tokens_to_ids(IM_END)]
@@ -184,8 +184,8 @@ def train_reading_policy(
     `target_copying`, training stops once that share of sampled validation fixes is exact."""
     import tempfile  # noqa: PLC0415
 
-    from legorl.trainer import convert  # noqa: PLC0415
-    from legorl.trainer.demos import bash_tool  # noqa: PLC0415
+    from legorl.trainer.models import convert  # noqa: PLC0415
+    from legorl.trainer.warmstart.demos import bash_tool  # noqa: PLC0415
 
     started = time.perf_counter()
     tools = [bash_tool()]
@@ -244,7 +244,7 @@ def rejection_sft(
     import shutil  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
-    from legorl.trainer import convert  # noqa: PLC0415
+    from legorl.trainer.models import convert  # noqa: PLC0415
 
     out = Path(out)
     if not rows:  # nothing succeeded: SFT on nothing leaves the model as it was
@@ -306,7 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from legorl.sandbox.task import load_task_set  # noqa: PLC0415
 
-    p = argparse.ArgumentParser(prog="python -m legorl.trainer.reading", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m legorl.trainer.warmstart.reading", description=__doc__.split("\n")[0]
+    )
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demos", help="record the demonstrations of one split to a JSONL file")
     d.add_argument("--tasks", type=Path, required=True, help="tasks.jsonl of builtin://tiny-read")

@@ -2,7 +2,7 @@
 
 `FleetWeightSync` drives the sequence on every replica (pause, start, update with bounded retries, finish with
 the version, reset the prefix cache, resume — always resume — and confirm `/weight_info`); the engines load
-the directory with the `legorl_filesystem` backend of `engine_plugin.py`. The NCCL path (vLLM's own `nccl`
+the directory with the `legorl_filesystem` backend of `engine/plugin.py`. The NCCL path (vLLM's own `nccl`
 backend, GPU only) is `nccl_sync.py`, which shares this client's HTTP sequence.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from legorl.api.weights import PublishedWeights
-from legorl.trainer.publish import REJECTED, WeightSyncError, read_published
+from legorl.trainer.sync.publish import REJECTED, WeightSyncError, read_published
 
 if TYPE_CHECKING:
     import httpx

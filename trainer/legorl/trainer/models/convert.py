@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from legorl.trainer import compat
-from legorl.trainer.model import MoeArchitecture, unwrap
-from legorl.trainer.publish import save_readable
+from legorl.trainer.models import compat
+from legorl.trainer.models.model import MoeArchitecture, unwrap
+from legorl.trainer.sync.publish import save_readable
 
 with compat.silence_import_warnings():
     from megatron.core import parallel_state
@@ -262,8 +262,8 @@ def _pick(candidates: Iterable[str], names: Mapping[str, Any]) -> str:
         if name in names:
             return name
     raise ConversionError(
-        f"the Megatron model has none of {options}; it was not built by legorl.trainer.model.build_model "
-        "for this architecture"
+        f"the Megatron model has none of {options}; it was not built by "
+        "legorl.trainer.models.model.build_model for this architecture"
     )
 
 

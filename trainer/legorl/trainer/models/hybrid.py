@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from legorl.trainer import compat
+from legorl.trainer.models import compat
 
 with compat.silence_import_warnings():
     from megatron.core.ssm import gated_delta_net as gdn

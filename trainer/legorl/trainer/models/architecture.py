@@ -4,8 +4,8 @@ check a model against a parallel layout before anything heavy is imported.
 Qwen3-MoE (`qwen3_moe`), dense Qwen3 (`qwen3`) and the hybrid-attention family: Qwen3-Next (`qwen3_next`) and
 the text part of Qwen3.5-MoE (`qwen3_5_moe`, `qwen3_5_moe_text`): Gated DeltaNet layers between gated
 full-attention layers, zero-centred RMSNorm, partial RoPE, shared experts with a sigmoid gate. Everything this
-trainer cannot build faithfully is refused naming the field (`legorl.trainer.model` explains how each field
-maps onto megatron).
+trainer cannot build faithfully is refused naming the field (`legorl.trainer.models.model` explains how each
+field maps onto megatron).
 """
 
 from __future__ import annotations

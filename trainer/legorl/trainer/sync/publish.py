@@ -1,6 +1,6 @@
 """Publish weights as a Hugging Face model directory with its `PUBLISHED.json`, and check one against it.
 
-The trainer's side of weight sync, and the file helpers the vLLM worker plugin (`engine_plugin.py`) shares:
+The trainer's side of weight sync, and the file helpers the vLLM worker plugin (`engine/plugin.py`) shares:
 a trainer-side state dict in Hugging Face names becomes a directory that any HF reader loads (safetensors,
 config, tokenizer) plus the publication marker (`legorl.api.weights`: version, sha256, files, tensor count,
 bytes). Written to a temporary sibling and renamed, so a reader never sees half a version.

@@ -1,6 +1,6 @@
 """vLLM API-server middleware: every model call's answer names the weight versions that served it.
 
-vLLM loads it with `--middleware legorl.trainer.engine_versions.WeightVersions` (the operator renders the
+vLLM loads it with `--middleware legorl.trainer.engine.versions.WeightVersions` (the operator renders the
 flag next to the Filesystem weight-transfer extension, which already puts legorl in the engine image).
 The wire format is `legorl.api.weight_versions`.
 

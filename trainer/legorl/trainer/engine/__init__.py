@@ -1,0 +1,1 @@
+"""What runs inside vLLM: the weight-transfer worker extension and the weight-version middleware."""
