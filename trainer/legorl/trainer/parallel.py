@@ -222,7 +222,7 @@ def vocab_parallel_logprobs(
     start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
     if temperature != 1.0:
         logits = logits / temperature
-    logp, ent = _VocabParallelLogprobs.apply(logits, targets.long(), start, group)  # type: ignore[no-untyped-call]
+    logp, ent = _VocabParallelLogprobs.apply(logits, targets.long(), start, group)  # type: ignore[no-untyped-call]  # Function.apply is untyped
     return logp, ent
 
 
@@ -242,31 +242,27 @@ def _is_expert(param: torch.nn.Parameter) -> bool:
 def _coalesced_all_reduce(grads: Sequence[torch.Tensor], group: Any) -> None:
     if not grads:
         return
-    flat = torch._utils._flatten_dense_tensors(list(grads))  # type: ignore[no-untyped-call]
+    flat = torch._utils._flatten_dense_tensors(list(grads))  # type: ignore[no-untyped-call]  # torch: unannotated
     dist.all_reduce(flat, group=group)
-    synced_all = torch._utils._unflatten_dense_tensors(flat, list(grads))  # type: ignore[no-untyped-call]
+    synced_all = torch._utils._unflatten_dense_tensors(flat, list(grads))  # type: ignore[no-untyped-call]  # same
     for grad, synced in zip(grads, synced_all, strict=True):
         grad.copy_(synced)
 
 
 def reduce_gradients(model: torch.nn.Module) -> None:
     """Make every rank's `.grad` the gradient of the whole batch's loss for the parameters it holds."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.grad is not None]
+    named = [(n, p, p.grad) for n, p in model.named_parameters() if p.requires_grad and p.grad is not None]
     if ps.get_tensor_model_parallel_world_size() > 1:
         _coalesced_all_reduce(
-            [p.grad for n, p in named if _partial_over_tensor_group(n, p)],  # type: ignore[misc]
-            ps.get_tensor_model_parallel_group(),
+            [g for n, p, g in named if _partial_over_tensor_group(n, p)], ps.get_tensor_model_parallel_group()
         )
     if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
         _coalesced_all_reduce(
-            [p.grad for _, p in named if not _is_expert(p)],  # type: ignore[misc]
+            [g for _, p, g in named if not _is_expert(p)],
             ps.get_data_parallel_group(with_context_parallel=True),
         )
     if ps.get_expert_data_parallel_world_size() > 1:
-        _coalesced_all_reduce(
-            [p.grad for _, p in named if _is_expert(p)],  # type: ignore[misc]
-            ps.get_expert_data_parallel_group(),
-        )
+        _coalesced_all_reduce([g for _, p, g in named if _is_expert(p)], ps.get_expert_data_parallel_group())
 
 
 def counted_once(params: Iterable[tuple[str, torch.nn.Parameter]]) -> list[torch.nn.Parameter]:

@@ -633,7 +633,9 @@ class PolicyTrainer:
         parallel.reduce_gradients(self.model)
         if self.masters is not None:
             for param, master in zip(self.params, self.masters, strict=True):
-                master.grad = param.grad.detach().float()  # type: ignore[union-attr]
+                grad = param.grad
+                assert grad is not None  # every parameter was given one above
+                master.grad = grad.detach().float()
             grads = [m.grad for m in self.masters]
         else:
             grads = [p.grad for p in self.params]

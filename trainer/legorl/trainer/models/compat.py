@@ -93,7 +93,7 @@ def enable_cpu_compat() -> bool:
     with silence_import_warnings():
         from megatron.core.tensor_parallel import random as mrandom  # noqa: PLC0415
 
-    torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
+    torch.cuda.current_device = _cpu_device  # type: ignore[assignment]  # patching torch on a CPU-only machine
     mrandom._get_cuda_rng_state = _no_cuda_rng_state
     mrandom._set_cuda_rng_state = _ignore_cuda_rng_state
     # The inference tracker's add/set_states/fork are no-ops; force_reset drops a CUDA tracker someone

@@ -77,7 +77,7 @@ class GdnOutputNorm:
         cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any
     ) -> torch.nn.Module:
         norm = torch.nn.RMSNorm(hidden_size, eps=eps)
-        norm.weight.sequence_parallel = config.tensor_model_parallel_size > 1  # type: ignore[attr-defined]
+        norm.weight.sequence_parallel = config.tensor_model_parallel_size > 1  # type: ignore[attr-defined]  # megatron
         return norm
 
 

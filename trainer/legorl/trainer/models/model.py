@@ -397,7 +397,7 @@ class SequenceParallelNorm:
             norm = ZeroCenteredRMSNorm(hidden_size, eps=eps)
         else:
             norm = torch.nn.RMSNorm(hidden_size, eps=eps)
-        norm.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]  # megatron's flag
         return norm
 
 

@@ -413,7 +413,7 @@ def sft_train(
             where = mask.bool()
             logp = model.token_logprobs(selected_logits(net, inputs, lengths, where), targets[where])
             loss = -(logp * weights[:, None].expand_as(mask)[where]).sum() / normalizer
-            loss.backward()  # type: ignore[no-untyped-call]
+            loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
