@@ -7,7 +7,8 @@
    sequences of 80 tokens (4 seeds × 3; the gated delta rule's chunks are 64 tokens), each Gated DeltaNet
    layer on the reference's own input, every non-expert gradient (relative to its largest entry), the export
    round trip, and one control per new feature (that feature mis-mapped: how far the logits move).
-2. Across layouts: tests/support/trainer_ranks.py (a real `TrainingService` under torchrun, gloo, routing replay on)
+2. Across layouts: tests/support/trainer_ranks.py (a real `TrainingService` under torchrun, gloo, routing
+   replay on)
    on one committed batch of the Qwen3-Next preset, in float64, each layout against one rank — the same
    comparison as benchmarks/trainer_equivalence.py (whose functions it uses).
 Results: `benchmarks/results/hybrid_equivalence.json`.

@@ -1,7 +1,8 @@
 """The Megatron policy against transformers on the same weights: logits, padding, gradients, conversion.
 
 Real megatron-core on CPU (the compatibility layer on), real transformers (fp32, eager attention) as the
-reference, the tiny random Qwen3-MoE checkpoint of legorl.trainer.models.tiny (what tests/support/engine.py serves).
+reference, the tiny random Qwen3-MoE checkpoint of legorl.trainer.models.tiny (what tests/support/engine.py
+serves).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ half way leaves the engines' layers on the meta device (vLLM starts its layer-wi
 `start_weight_update`): the replica must be restarted; nothing here retries a broadcast.
 
 Nothing of NCCL can run on a CPU machine: the tests drive this class with the transfer engine replaced by a
-recorder (tests/trainer/test_trainer_nccl_sync.py) — the gather, the HTTP sequence on every replica, the report —
+recorder (tests/trainer/test_trainer_nccl_sync.py) — the gather, the HTTP sequence on every replica, the
+report —
 and `benchmarks/gpu_check.py` is where a GPU runs the real one.
 """
 
