@@ -29,6 +29,9 @@ from tests.api.test_invalid_manifests import CASES, _list_map_duplicates, _manif
 from tests.operator.test_helm import VALUE_SETS, set_flags
 from tests.support.kubecluster import ControlPlane, control_plane, kube_bin
 
+# A real etcd and kube-apiserver (and controller-manager) start for this module.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILES = sorted((REPO / "crds").glob("legorl.dev_*.yaml"))
 KOPF_CRDS = REPO / "charts/legorl/crds/kopf.dev_peerings.yaml"  # the chart installs these too

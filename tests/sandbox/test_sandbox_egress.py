@@ -31,6 +31,9 @@ import pytest
 from legorl.sandbox import egress
 from legorl.sandbox.egress import Probe, apply, default_probes, expected_listing, main, render_rules
 
+# Real network namespaces and the egress lock, per test.
+pytestmark = pytest.mark.slow
+
 PY = sys.executable
 AGENT, PROXY = egress.AGENT_UID, egress.PROXY_UID
 SRV4, SRV6, METADATA = "10.213.0.2", "fd00:213::2", "169.254.169.254"

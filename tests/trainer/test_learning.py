@@ -23,6 +23,9 @@ from legorl.sandbox import reading
 from legorl.sandbox.task import load_task_set
 from tests.support.scripts import load_script
 
+# benchmarks/learning.py --quick: a warm start and RL steps with the real engine and trainer.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 
