@@ -390,11 +390,11 @@ def test_fidelity_on_identical_inputs() -> None:
     mask = torch.ones(3, 10)
     mask[0, :3] = 0
     stats = fidelity_stats(logp, logp.clone(), mask)
-    assert stats["pearson"] == pytest.approx(1.0)
-    assert stats["mean_abs_logprob_delta"] == 0.0
-    assert stats["max_abs_logprob_delta"] == 0.0
-    assert stats["kl"] == 0.0
-    assert stats["tokens"] == 27
+    assert stats.pearson == pytest.approx(1.0)
+    assert stats.mean_abs_logprob_delta == 0.0
+    assert stats.max_abs_logprob_delta == 0.0
+    assert stats.kl == 0.0
+    assert stats.tokens == 27
 
 
 def test_fidelity_matches_numpy_on_random_inputs() -> None:
@@ -407,12 +407,12 @@ def test_fidelity_matches_numpy_on_random_inputs() -> None:
     keep = mask.numpy() > 0
     t = train.numpy()[keep].astype(np.float64)
     b = behavior.numpy()[keep].astype(np.float64)
-    assert stats["pearson"] == pytest.approx(np.corrcoef(np.exp(b), np.exp(t))[0, 1], rel=1e-9)
-    assert stats["mean_abs_logprob_delta"] == pytest.approx(np.abs(t - b).mean(), rel=1e-9)
-    assert stats["max_abs_logprob_delta"] == pytest.approx(np.abs(t - b).max(), rel=1e-9)
+    assert stats.pearson == pytest.approx(np.corrcoef(np.exp(b), np.exp(t))[0, 1], rel=1e-9)
+    assert stats.mean_abs_logprob_delta == pytest.approx(np.abs(t - b).mean(), rel=1e-9)
+    assert stats.max_abs_logprob_delta == pytest.approx(np.abs(t - b).max(), rel=1e-9)
     lr = t - b
-    assert stats["kl"] == pytest.approx((np.exp(lr) - 1 - lr).mean(), rel=1e-9)
-    assert stats["tokens"] == int(keep.sum())
+    assert stats.kl == pytest.approx((np.exp(lr) - 1 - lr).mean(), rel=1e-9)
+    assert stats.tokens == int(keep.sum())
     # Padding garbage outside the mask is ignored.
     train2 = train.clone()
     train2[mask == 0] = math.inf
@@ -422,10 +422,10 @@ def test_fidelity_matches_numpy_on_random_inputs() -> None:
 def test_fidelity_constant_inputs_never_crash() -> None:
     ones = torch.zeros(1, 4)  # probability 1.0 everywhere
     mask = torch.ones(1, 4)
-    assert fidelity_stats(ones, ones.clone(), mask)["pearson"] == 1.0
+    assert fidelity_stats(ones, ones.clone(), mask).pearson == 1.0
     other = torch.log(torch.tensor([[0.5, 0.6, 0.7, 0.8]]))
-    assert math.isnan(fidelity_stats(ones, other, mask)["pearson"])
-    assert math.isnan(fidelity_stats(other, torch.full((1, 4), -1.0), mask)["pearson"])
+    assert math.isnan(fidelity_stats(ones, other, mask).pearson)
+    assert math.isnan(fidelity_stats(other, torch.full((1, 4), -1.0), mask).pearson)
     empty = fidelity_stats(ones, other, torch.zeros(1, 4))
-    assert empty["tokens"] == 0
-    assert math.isnan(empty["pearson"])
+    assert empty.tokens == 0
+    assert math.isnan(empty.pearson)

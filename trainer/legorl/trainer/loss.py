@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TypeAlias
 
 import torch
@@ -31,6 +32,7 @@ __all__ = [
     "AdvantageMode",
     "Aggregation",
     "AlgorithmName",
+    "FidelityStats",
     "ImportanceMode",
     "aggregate",
     "default_clip",
@@ -327,17 +329,37 @@ def kl_penalty(logp: TokenTensor, ref_logp: TokenTensor, mask: MaskTensor) -> To
     return torch.where(keep, k3.clamp(min=0.0), zero)
 
 
-def fidelity_stats(train_logp: TokenTensor, behavior_logp: TokenTensor, mask: MaskTensor) -> dict[str, float]:
-    """How well the trainer reproduces the engine's token probabilities (for the fidelity guard).
+@dataclass(frozen=True)
+class FidelityStats:
+    """How well the trainer reproduces the engine's token probabilities over the trained tokens."""
 
-    - `pearson`: Pearson correlation of the token probabilities exp(logp), rollout vs training,
-      over the trained tokens, in float64. When either side is constant the correlation is
-      undefined: it is 1.0 if the two sides are equal (|Δp| ≤ 1e-6 everywhere) and NaN
-      otherwise, and NaN with no tokens — a NaN means "no evidence", not "bad";
-    - `mean_abs_logprob_delta`, `max_abs_logprob_delta`: |train − behaviour| log-probability;
-    - `kl`: mean k3 estimate of KL(µ‖π_train) on the behaviour samples;
-    - `tokens`: number of trained tokens.
-    """
+    pearson: float
+    """Pearson correlation of the token probabilities exp(logp), rollout vs training, in float64. When
+    either side is constant the correlation is undefined: 1.0 if the two sides are equal (|Δp| ≤ 1e-6
+    everywhere), else NaN; NaN with no tokens (a NaN means "no evidence", not "bad")."""
+    mean_abs_logprob_delta: float
+    """Mean |train − behaviour| log-probability."""
+    max_abs_logprob_delta: float
+    """Largest |train − behaviour| log-probability."""
+    kl: float
+    """Mean k3 estimate of KL(µ‖π_train) on the behaviour samples."""
+    tokens: int
+    """Number of trained tokens."""
+
+    def to_dict(self) -> dict[str, float]:
+        """By field name (the figures' JSON and the benchmarks' tables)."""
+        return {
+            "pearson": self.pearson,
+            "mean_abs_logprob_delta": self.mean_abs_logprob_delta,
+            "max_abs_logprob_delta": self.max_abs_logprob_delta,
+            "kl": self.kl,
+            "tokens": self.tokens,
+        }
+
+
+def fidelity_stats(train_logp: TokenTensor, behavior_logp: TokenTensor, mask: MaskTensor) -> FidelityStats:
+    """How well the trainer reproduces the engine's token probabilities (for the fidelity guard), over
+    the tokens of `mask`: `FidelityStats`."""
     _check_shapes(("train_logp", train_logp), ("behavior_logp", behavior_logp), ("mask", mask))
     keep = _bool(mask)
     with torch.no_grad():
@@ -346,13 +368,7 @@ def fidelity_stats(train_logp: TokenTensor, behavior_logp: TokenTensor, mask: Ma
         n = int(t.numel())
         if n == 0:
             nan = math.nan
-            return {
-                "pearson": nan,
-                "mean_abs_logprob_delta": nan,
-                "max_abs_logprob_delta": nan,
-                "kl": nan,
-                "tokens": 0,
-            }
+            return FidelityStats(nan, nan, nan, nan, 0)
         delta = (t - b).abs()
         pt, pb = t.exp(), b.exp()
         ct, cb = pt - pt.mean(), pb - pb.mean()
@@ -363,10 +379,10 @@ def fidelity_stats(train_logp: TokenTensor, behavior_logp: TokenTensor, mask: Ma
             pearson = 1.0 if float((pt - pb).abs().max()) <= 1e-6 else math.nan
         log_r = (t - b).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         kl = float((log_r.exp() - 1.0 - log_r).clamp(min=0.0).mean())
-        return {
-            "pearson": pearson,
-            "mean_abs_logprob_delta": float(delta.mean()),
-            "max_abs_logprob_delta": float(delta.max()),
-            "kl": kl,
-            "tokens": n,
-        }
+        return FidelityStats(
+            pearson=pearson,
+            mean_abs_logprob_delta=float(delta.mean()),
+            max_abs_logprob_delta=float(delta.max()),
+            kl=kl,
+            tokens=n,
+        )

@@ -68,7 +68,7 @@ class ScoredBatch:
         stats = loss.fidelity_stats(self.train_logprobs[None], self.behavior_logprobs[None], ones[None])
         agreement = self.routing_agreeing / self.routing_compared if self.routing_compared else math.nan
         return {
-            **stats,
+            **stats.to_dict(),
             "replayed_share": float(self.replayed.float().mean()),
             "tokens": float(ones.numel()),
             "routing_agreement": agreement,
@@ -689,11 +689,11 @@ class PolicyTrainer:
             merged.clip_fraction = sums[3] / loss_tokens
             merged.is_capped_share = sums[4] / loss_tokens
             merged.is_ess = float(loss.effective_sample_size(torch.from_numpy(weights)))
-            merged.fidelity_pearson = fid["pearson"]
-            merged.fidelity_mean_abs_logprob_delta = fid["mean_abs_logprob_delta"]
-            merged.fidelity_max_abs_logprob_delta = fid["max_abs_logprob_delta"]
-            merged.fidelity_kl = fid["kl"]
-            merged.fidelity_tokens = int(fid["tokens"])
+            merged.fidelity_pearson = fid.pearson
+            merged.fidelity_mean_abs_logprob_delta = fid.mean_abs_logprob_delta
+            merged.fidelity_max_abs_logprob_delta = fid.max_abs_logprob_delta
+            merged.fidelity_kl = fid.kl
+            merged.fidelity_tokens = fid.tokens
             merged.replayed_token_share = float(covered.mean()) if covered.size else 0.0
             merged.loss_tokens = loss_tokens
             computed = (merged, sums[5])

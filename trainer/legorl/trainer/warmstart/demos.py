@@ -33,7 +33,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from types import SimpleNamespace
@@ -102,6 +102,23 @@ class Demonstration:
     """The behaviour's share in the mixture: the loss weight of this conversation."""
     observations: tuple[str, ...] = field(default=())
     """The tool messages mini rendered from each executed command's real output."""
+
+    def to_json(self) -> dict[str, Any]:
+        """One line of a demonstrations file (`warmstart.reading.save_demonstrations`)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Demonstration:
+        """The inverse of `to_json` (JSON has lists where the type has tuples)."""
+        turns = tuple(Turn(tuple(t["messages"]), t["content"], t["command"]) for t in data["turns"])
+        return cls(
+            **{
+                **data,
+                "behaviour": Behaviour(data["behaviour"]),
+                "turns": turns,
+                "observations": tuple(data.get("observations", ())),
+            }
+        )
 
 
 def bash_tool() -> dict[str, Any]:

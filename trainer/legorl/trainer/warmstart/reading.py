@@ -107,23 +107,14 @@ def demonstrations(
 def save_demonstrations(demos: Sequence[Demonstration], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(asdict(d)) + "\n" for d in demos))
+    tmp.write_text("".join(json.dumps(d.to_json()) + "\n" for d in demos))
     tmp.replace(path)
 
 
 def load_demonstrations(path: Path) -> list[Demonstration]:
-    from legorl.trainer.warmstart.demos import Behaviour, Demonstration, Turn  # noqa: PLC0415
+    from legorl.trainer.warmstart.demos import Demonstration  # noqa: PLC0415
 
-    out = []
-    for line in path.read_text().splitlines():
-        d = json.loads(line)
-        turns = tuple(Turn(tuple(t["messages"]), t["content"], t["command"]) for t in d["turns"])
-        out.append(
-            Demonstration(
-                d["task_id"], Behaviour(d["behaviour"]), turns, d["weight"], tuple(d["observations"])
-            )
-        )
-    return out
+    return [Demonstration.from_json(json.loads(line)) for line in path.read_text().splitlines()]
 
 
 @dataclass(frozen=True)
