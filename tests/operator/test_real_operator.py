@@ -67,6 +67,9 @@ if kube_bin() is None:
 
 from tests.operator.test_real_apiserver import CRD_FILES, KOPF_CRDS, crd_for_120, example  # noqa: E402
 
+# A real etcd and kube-apiserver, and the operator on it as the chart's ServiceAccount.
+pytestmark = pytest.mark.slow
+
 # --- the API as the test's admin, the scheduler and the kubelet -----------------------------------------
 
 

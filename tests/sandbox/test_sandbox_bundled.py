@@ -452,6 +452,7 @@ def verdicts(
             drivers.get().close()
 
 
+@pytest.mark.slow  # every bundled task built and graded, before and after its fix
 @pytest.mark.parametrize("instance_id", IDS)
 def test_task_is_sound(instance_id: str, task_set: TaskSet, verdicts: dict[str, Verdict | str]) -> None:
     task = task_set.get(instance_id)

@@ -85,6 +85,7 @@ def test_generation_is_deterministic(tmp_path: Path, task_set: TaskSet) -> None:
     assert [t.to_dict() for t in again] == [t.to_dict() for t in task_set]
 
 
+@pytest.mark.slow  # runs each task's test suite before and after its fix
 @pytest.mark.parametrize("split", ["train", "validation", "test"])
 def test_the_diagnosis_is_what_the_tests_print_and_its_fix_solves_the_task(
     task_set: TaskSet, split: str, tmp_path: Path

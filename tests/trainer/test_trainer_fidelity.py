@@ -17,6 +17,9 @@ from legorl.api.trajectory import TrialRecord
 from legorl.trainer.models.tiny import make_tiny_model
 from legorl.trainer.settings import TrainerSettings
 
+# A real trainer step of the tiny MoE.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[11, 42, 7, 300], [5, 900, 17], [1200, 8, 64, 33, 2]]
 
 

@@ -26,6 +26,9 @@ from legorl.trainer.models import convert, model
 from legorl.trainer.warmstart import demos, sft
 from tests.support.engine import SERVED_MODEL_NAME, VllmServer
 
+# Real megatron-core SFT of the tiny policy, and a real vLLM serving it.
+pytestmark = pytest.mark.slow
+
 MIX = (0.4, 0.3, 0.3)
 SETTINGS = sft.SftSettings(steps=60, batch_tasks=8, sample_per_task=0, mix=MIX)
 """A reduced run: 8 tasks instead of 61, 60 steps instead of 200 (model and the rest as shipped)."""
