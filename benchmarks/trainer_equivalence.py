@@ -33,7 +33,7 @@ from provenance import git_commit
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "trainer_ranks.py"
+WORKER = REPO / "tests" / "support" / "trainer_ranks.py"
 RESULTS = REPO / "benchmarks" / "results" / "trainer_equivalence.json"
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "TP2+SP (full recompute)": (2, ["--tp", "2", "--recompute", "full"]),

@@ -35,7 +35,7 @@ from legorl.trainer.models.tiny import HYBRID_FAMILIES, hybrid_config, make_tiny
 pytestmark = [pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")]
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "trainer_ranks.py"
+WORKER = REPO / "tests" / "support" / "trainer_ranks.py"
 # fp32, logits up to ~4.6 (benchmarks/results/hybrid_equivalence.json): the median sequence is 2e-5 off, the
 # worst of 12 reaches 3.7e-4 (Qwen3-Next) at one position. Not a mapping error: the same Gated DeltaNet layer
 # fed the same input agrees to ≤ 2.4e-6 relative (below), and a later Gated DeltaNet layer amplifies the

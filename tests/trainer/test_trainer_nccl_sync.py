@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 pytestmark = [pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "trainer_ranks.py"
+WORKER = REPO / "tests" / "support" / "trainer_ranks.py"
 
 
 class Replica:

@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 pytestmark = [pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "trainer_ranks.py"
+WORKER = REPO / "tests" / "support" / "trainer_ranks.py"
 # Layout-dependent by nature: how the rank split its work, and how fast it was.
 LAYOUT_FIGURES = {"micro_batches", "step_seconds", "tokens_per_second", "checkpoint"}
 
