@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TypeAlias
 
 import torch
@@ -348,13 +348,7 @@ class FidelityStats:
 
     def to_dict(self) -> dict[str, float]:
         """By field name (the figures' JSON and the benchmarks' tables)."""
-        return {
-            "pearson": self.pearson,
-            "mean_abs_logprob_delta": self.mean_abs_logprob_delta,
-            "max_abs_logprob_delta": self.max_abs_logprob_delta,
-            "kl": self.kl,
-            "tokens": self.tokens,
-        }
+        return asdict(self)
 
 
 def fidelity_stats(train_logp: TokenTensor, behavior_logp: TokenTensor, mask: MaskTensor) -> FidelityStats:
