@@ -161,6 +161,9 @@ class StepFigures(_Document):
     """Mean |advantage| of the trials trained on."""
     fidelity_tokens: int | None = _figure()
     """Tokens the fidelity figures compare (those sampled by the version being trained)."""
+    fidelity_probe_trials: int | None = _figure()
+    """Trials of zero-variance groups the fidelity figures were measured on (one forward, no gradient)
+    because the trained trials held no token sampled by the version being trained; absent when they did."""
     loss_tokens: int | None = _figure()
     """Tokens in the loss, over every rank."""
     mini_batches: int | None = _figure()

@@ -457,6 +457,8 @@ def test_the_trainer_published_each_version_and_the_fleet_pod_took_them_without_
     # engine's startup weights as v0, the version trained then (fp32 engine and trainer on CPU).
     fidelity = {step: (f.fidelity_pearson, f.fidelity_tokens) for step, f in figures.items()}
     print(f"fidelity (Pearson, tokens) by step: {fidelity}")
+    kept = ("trials_total", "trials_kept", "dropped_stale", "zero_variance_groups", "fidelity_probe_trials")
+    print(f"filter by step: { {step: {k: getattr(f, k) for k in kept} for step, f in figures.items()} }")
     assert all(p is not None and p >= 0.99 and (n or 0) > 0 for p, n in fidelity.values()), fidelity
     # Trials of step 2 were served by v1 (Sync mode: the engine swapped in place between the steps), but
     # those that called the fleet's new pod (a fault deleted the first) before the trainer gave it v1: they

@@ -128,6 +128,9 @@ class FilterResult:
     """Groups whose kept trials all had the same reward (counted whether dropped or kept)."""
     dropped_zero_variance: int = 0
     """Trials dropped because their group had zero variance."""
+    zero_variance: list[TrialRecord] = field(default_factory=list)
+    """The trials dropped because their group had zero variance, in their original order: fresh enough,
+    scored, with segments (the trainer may still measure fidelity on them)."""
     max_staleness_seen: int = 0
     """Largest staleness among the trials that passed the reason filter."""
     dropped_no_reward: int = 0
@@ -221,7 +224,8 @@ def filter_trials(
     result.zero_variance_groups = len(flat)
     if drop_zero_variance_groups:
         result.kept = [t for t in candidates if t.group_id not in flat]
-        result.dropped_zero_variance = len(candidates) - len(result.kept)
+        result.zero_variance = [t for t in candidates if t.group_id in flat]
+        result.dropped_zero_variance = len(result.zero_variance)
     else:
         result.kept = candidates
     return result

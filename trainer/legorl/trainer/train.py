@@ -120,6 +120,8 @@ class _TokenRecord:
     weights: np.ndarray
     covered: np.ndarray
     on_policy: bool
+    probe: bool = False
+    """Measured for the fidelity figures only (a zero-variance group's trial): not in the loss."""
 
 
 class PolicyTrainer:
@@ -471,8 +473,18 @@ class PolicyTrainer:
             for seqs in mini_sequences
         ]
         loss_tokens = [sum(q.num_loss_tokens for q in seqs) for seqs in mini_sequences]
+        # The fidelity guard must not go blind when no trained token was sampled by that version (its fresh
+        # groups all had one reward, the rest was stale): then the fresh trials of zero-variance groups are
+        # measured instead, with one forward before the update and no gradient.
+        fresh = any(
+            q.policy_versions == (current,) and q.num_loss_tokens for seqs in mini_sequences for q in seqs
+        )
+        probe = [] if fresh else self._probe_sequences(filtered.zero_variance, current)
+        probe_records = self._probe_records(probe)
         if not sum(loss_tokens):
             figures.skipped = "no trials left after filtering" if not kept else "no sampled tokens"
+            if probe:
+                figures = self._probe_figures(figures, probe_records)
             figures.step_seconds = time.perf_counter() - started
             self.step = step
             return figures
@@ -488,7 +500,7 @@ class PolicyTrainer:
             if self.reference is not None
             else None
         )
-        acc = _Accumulator(minis=len(minis))
+        acc = _Accumulator(minis=len(minis), records=probe_records)
         norms = []
         for index, micros in enumerate(minis):
             seqs = mini_sequences[index]
@@ -674,31 +686,57 @@ class PolicyTrainer:
         computed: tuple[StepFigures, float] | None = None
         if gathered is not None:
             ordered = sorted((r for part in gathered for r in part), key=lambda r: r.key)
-            on_policy = [r for r in ordered if r.on_policy]
-            train = _cat([r.logp[r.mask] for r in on_policy], np.float32)
-            behavior = _cat([r.behavior[r.mask] for r in on_policy], np.float32)
-            weights = _cat([r.weights[r.mask] for r in ordered], np.float32)
-            covered = _cat([r.covered[r.mask] for r in ordered], np.bool_)
-            fid = loss.fidelity_stats(
-                torch.from_numpy(train)[None], torch.from_numpy(behavior)[None], torch.ones(1, len(train))
-            )
+            trained = [r for r in ordered if not r.probe]
+            weights = _cat([r.weights[r.mask] for r in trained], np.float32)
+            covered = _cat([r.covered[r.mask] for r in trained], np.bool_)
             merged = figures.model_copy(deep=True)
+            _set_fidelity(merged, ordered)
             merged.loss = sums[0]
             merged.entropy = sums[1]
             merged.kl_ref = sums[2]
             merged.clip_fraction = sums[3] / loss_tokens
             merged.is_capped_share = sums[4] / loss_tokens
             merged.is_ess = float(loss.effective_sample_size(torch.from_numpy(weights)))
-            merged.fidelity_pearson = fid.pearson
-            merged.fidelity_mean_abs_logprob_delta = fid.mean_abs_logprob_delta
-            merged.fidelity_max_abs_logprob_delta = fid.max_abs_logprob_delta
-            merged.fidelity_kl = fid.kl
-            merged.fidelity_tokens = fid.tokens
             merged.replayed_token_share = float(covered.mean()) if covered.size else 0.0
             merged.loss_tokens = loss_tokens
             computed = (merged, sums[5])
             self.token_logprobs = {r.key: _aligned(r) for r in ordered}
         shared: tuple[StepFigures, float] = parallel.broadcast(computed)
+        return shared
+
+    def _probe_sequences(self, trials: Sequence[TrialRecord], current: str) -> list[data.TrainSequence]:
+        """The segments of `trials` (zero-variance groups) sampled entirely by `current`, for the fidelity
+        figures only; with routingReplay Enabled, those with routed experts (as the loss would take)."""
+        sequences = data.sequences_from_trials(trials, {t.trial: 0.0 for t in trials})
+        return [
+            q
+            for q in sequences
+            if q.policy_versions == (current,)
+            and q.num_loss_tokens
+            and (self.settings.routing_replay != "Enabled" or q.routed_experts is not None)
+        ]
+
+    def _probe_records(self, sequences: Sequence[data.TrainSequence]) -> list[_TokenRecord]:
+        """This rank's token records of `sequences` by the policy being trained (a collective: one forward
+        without gradient, before the update), marked as probes."""
+        if not sequences:
+            return []
+        micros = self._micro_batches(sequences)
+        records = self._token_records(micros, self._forward_logprobs(micros), sequences)
+        for r in records:
+            r.on_policy, r.probe = True, True
+        return records
+
+    def _probe_figures(self, figures: StepFigures, records: list[_TokenRecord]) -> StepFigures:
+        """`figures` of a skipped step with the fidelity of the probed trials (a collective)."""
+        gathered = parallel.gather_objects(records)
+        computed = None
+        if gathered is not None:
+            ordered = sorted((r for part in gathered for r in part), key=lambda r: r.key)
+            computed = figures.model_copy(deep=True)
+            _set_fidelity(computed, ordered)
+            self.token_logprobs = {r.key: _aligned(r) for r in ordered}
+        shared: StepFigures = parallel.broadcast(computed)
         return shared
 
     # -- weights and state -----------------------------------------------------------------------------
@@ -869,6 +907,24 @@ class _Accumulator:
 
 def _cat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
     return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
+
+
+def _set_fidelity(figures: StepFigures, ordered: Sequence[_TokenRecord]) -> None:
+    """The fidelity figures of `ordered`'s tokens sampled by the version being trained (trained or probed)."""
+    on_policy = [r for r in ordered if r.on_policy]
+    train = _cat([r.logp[r.mask] for r in on_policy], np.float32)
+    behavior = _cat([r.behavior[r.mask] for r in on_policy], np.float32)
+    fid = loss.fidelity_stats(
+        torch.from_numpy(train)[None], torch.from_numpy(behavior)[None], torch.ones(1, len(train))
+    )
+    figures.fidelity_pearson = fid.pearson
+    figures.fidelity_mean_abs_logprob_delta = fid.mean_abs_logprob_delta
+    figures.fidelity_max_abs_logprob_delta = fid.max_abs_logprob_delta
+    figures.fidelity_kl = fid.kl
+    figures.fidelity_tokens = fid.tokens
+    probed = {r.key[0] for r in ordered if r.probe}
+    if probed:
+        figures.fidelity_probe_trials = len(probed)
 
 
 def _aligned(record: _TokenRecord) -> list[float | None]:
