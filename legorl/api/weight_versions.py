@@ -23,6 +23,7 @@ __all__ = [
     "SSE_PREFIX",
     "decode",
     "encode",
+    "from_weight_info",
     "policy_version",
     "policy_versions",
     "sse_comment",
@@ -56,6 +57,16 @@ def decode(value: str | bytes) -> list[str] | None:
     if not isinstance(data, list) or not data or not all(isinstance(v, str) and v for v in data):
         return None
     return list(dict.fromkeys(data))
+
+
+def from_weight_info(body: object) -> str | None:
+    """The engine weight version in vLLM's `GET /weight_info` answer (`{"weight_version": "v3"}`, decoded
+    JSON), or None when the answer names none (not an object, no non-empty string `weight_version`). The
+    one reader of that answer: the operator, the UI and the trainer's weight sync all ask it."""
+    if not isinstance(body, dict):
+        return None
+    version = body.get("weight_version")
+    return version if isinstance(version, str) and version else None
 
 
 def policy_version(engine_version: str) -> str:

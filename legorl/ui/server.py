@@ -47,7 +47,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from legorl.api import __version__
+from legorl.api import __version__, weight_versions
 from legorl.api.common import Condition, LocalObjectReference
 from legorl.api.fleet import RolloutFleetSpec, RolloutFleetStatus
 from legorl.api.labels import (
@@ -719,13 +719,9 @@ class UiApp:
         )
         try:
             info = await self._http.get(url.rstrip("/") + "/weight_info")
-            if info.status_code == 200:
-                data = info.json()
-                version = (
-                    data.get("weight_version") or data.get("version") if isinstance(data, dict) else None
-                )
-                if version:
-                    out.policy_version = str(version)
+            version = weight_versions.from_weight_info(info.json()) if info.status_code == 200 else None
+            if version is not None:
+                out.policy_version = weight_versions.policy_version(version)
         except (httpx.HTTPError, ValueError):
             pass  # /weight_info exists only in vLLM's dev mode; the version then stays unknown
         return out

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import ValidationError
 
+from legorl.api import weight_versions
 from legorl.api.common import Condition
 from legorl.api.conditions import rlrun_phase, set_condition
 from legorl.api.kinds import RLRun, RolloutFleet, SandboxPool
@@ -580,5 +581,5 @@ async def _served_version(http: httpx.AsyncClient, pod: PodView, port: int) -> s
     except (httpx.HTTPError, ValueError) as exc:
         log.debug("engine pod %s did not say what it serves: %s", pod.name, exc)
         return None
-    version = body.get("weight_version") if isinstance(body, dict) else None
-    return policy_version(version) if isinstance(version, str) and 0 < len(version) <= MAX_VERSION else None
+    version = weight_versions.from_weight_info(body)
+    return policy_version(version) if version is not None and len(version) <= MAX_VERSION else None

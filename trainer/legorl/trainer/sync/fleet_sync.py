@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from legorl.api import weight_versions
 from legorl.api.weights import PublishedWeights
 from legorl.trainer.sync.publish import REJECTED, WeightSyncError, read_published
 
@@ -286,9 +287,10 @@ class FleetWeightSync:
 
     def _weight_version(self, url: str) -> str:
         body = self._request("GET", url, "/weight_info")
-        if not isinstance(body, dict) or not isinstance(body.get("weight_version"), str):
+        version = weight_versions.from_weight_info(body)
+        if version is None:
             raise WeightSyncError(f"{url}/weight_info answered {body!r}, not {{'weight_version': ...}}")
-        return str(body["weight_version"])
+        return version
 
     # -- HTTP --------------------------------------------------------------------------------------------
 
