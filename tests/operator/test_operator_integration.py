@@ -618,9 +618,9 @@ def test_failed_preflight_starts_nothing_and_a_fix_resumes(env_factory: Any) -> 
             e for e in env.mock.events(NS, involved_name="tiny-local") if e["reason"] == "PreflightFailed"
         ]
     )
-    (event,) = [
-        e for e in env.mock.events(NS, involved_name="tiny-local") if e["reason"] == "PreflightFailed"
-    ]
+    failed = [e for e in env.mock.events(NS, involved_name="tiny-local") if e["reason"] == "PreflightFailed"]
+    assert len(failed) == 1, failed  # posted once, when the condition changed
+    (event,) = failed
     assert event["type"] == "Warning" and "builtin://" in event["message"]
 
     env.mock.patch(

@@ -8,6 +8,7 @@ state from the `Store` (the watch cache), never by listing the API server.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -93,6 +94,9 @@ class Reconciler:
     full_apply: dict[ObjectKey, float] = field(default_factory=dict)
     """When each object last had every child applied regardless of hashes (drift repair)."""
     locks: dict[ObjectKey, asyncio.Lock] = field(default_factory=dict)
+    written: dict[ObjectKey, dict[str, Any]] = field(default_factory=dict)
+    """The status this process last wrote to each object: what its Events are posted against (the
+    watch cache can be older for a moment)."""
     task_sets: dict[tuple[str, str], tuple[float, list[str], bool]] = field(default_factory=dict)
     wakeups: dict[ObjectKey, asyncio.TimerHandle] = field(default_factory=dict)
     """Pending reconciles at a run's deadline."""
@@ -130,7 +134,11 @@ class Reconciler:
         # or a restart, the resync loop): an unbounded burst only queues inside the HTTP pool.
         async with lock, self._slots:
             body = self.store.objects.get(key)
-            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            if body is None:
+                self.written.pop(key, None)
+                self.full_apply.pop(key, None)
+                return
+            if body.get("metadata", {}).get("deletionTimestamp"):
                 return
             kind = key[0]
             try:
@@ -233,10 +241,12 @@ class Reconciler:
         """Patch `.status` to `status` (a minimal merge patch, nulls for what went away); no
         request at all when nothing changed."""
         old = body.get("status") or {}
+        meta = body["metadata"]
+        key: ObjectKey = (body["kind"], meta.get("namespace", "default"), meta["name"])
         patch = merge_patch(old, status)
         if not patch:
+            self.written[key] = copy.deepcopy(status)
             return
-        meta = body["metadata"]
         try:
             await self.client.patch_status(
                 body["kind"], meta.get("namespace", "default"), meta["name"], patch
@@ -251,7 +261,12 @@ class Reconciler:
             )
             return
         body["status"] = apply_merge_patch(old, patch)  # what the watch will show; no second patch meanwhile
-        await self._post_transitions(body, old.get("conditions") or [], status.get("conditions") or [])
+        # Transitions from what this process last wrote, where it wrote before: a watch event older than
+        # that write (e.g. of kopf's own patch, sent before it) can replace the cached body while the write
+        # is in flight, and diffing against its older status posted every Event twice (seen under load).
+        before = self.written.get(key, old)
+        self.written[key] = copy.deepcopy(status)
+        await self._post_transitions(body, before.get("conditions") or [], status.get("conditions") or [])
 
     async def _post_transitions(
         self, body: dict[str, Any], before: list[dict[str, Any]], after: list[dict[str, Any]]
