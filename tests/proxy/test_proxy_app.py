@@ -1004,6 +1004,21 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
     ("/v1/chat/completions", b'{"model": "m", "messages": [', None),
     ("/v1/chat/completions", b"\xff\xfe not utf-8", None),
     ("/v1/chat/completions", b"", None),
+    *(
+        (  # found by test_proxy_fuzz: a 500 ("'int' object is not iterable") before
+            "/v1/chat/completions",
+            {
+                **GOOD["/v1/chat/completions"],
+                "messages": [
+                    {"role": "user", "content": "List files."},
+                    {"role": "assistant", "content": None, "tool_calls": calls},
+                    {"role": "user", "content": "Go on."},
+                ],
+            },
+            "messages[1].tool_calls",
+        )
+        for calls in (-1, "bash", [5], [{"id": "c1", "type": "function"}])
+    ),
     ("/v1/chat/completions", [GOOD["/v1/chat/completions"]], None),
     ("/v1/chat/completions", {**GOOD["/v1/chat/completions"], "max_tokens": "ten"}, "max_tokens"),
     ("/v1/chat/completions", {**GOOD["/v1/chat/completions"], "max_tokens": 0}, "max_tokens"),

@@ -50,6 +50,16 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                 f"messages[{i}] must be an object with a role in {sorted(_ROLES)}",
                 param=f"messages[{i}]",
             )
+        calls = message.get("tool_calls")
+        if calls is not None and (
+            not isinstance(calls, list)
+            or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)
+        ):
+            raise ProxyError(
+                "invalid_request",
+                f"messages[{i}].tool_calls must be a list of {{type: function, function: {{...}}}} objects",
+                param=f"messages[{i}].tool_calls",
+            )
         # Chat templates know `system`; `developer` is the newer name for the same thing.
         out.append({**message, "role": "system"} if message["role"] == "developer" else message)
     return out
