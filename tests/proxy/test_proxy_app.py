@@ -1017,7 +1017,13 @@ BAD_REQUESTS: list[tuple[str, Any, str | None]] = [
             },
             "messages[1].tool_calls",
         )
-        for calls in (-1, "bash", [5], [{"id": "c1", "type": "function"}])
+        for calls in (
+            -1,
+            "bash",
+            [5],
+            [{"id": "c1", "type": "function"}],
+            [{"id": ["c1"], "type": "function", "function": {"name": "bash", "arguments": "{}"}}],
+        )
     ),
     ("/v1/chat/completions", [GOOD["/v1/chat/completions"]], None),
     ("/v1/chat/completions", {**GOOD["/v1/chat/completions"], "max_tokens": "ten"}, "max_tokens"),

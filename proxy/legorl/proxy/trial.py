@@ -200,7 +200,8 @@ class Trial:
                 continue
             for call in message.get("tool_calls") or []:
                 function = call.get("function") if isinstance(call, dict) else None
-                original = self.tool_arguments.get(call.get("id")) if isinstance(function, dict) else None
+                call_id = call.get("id") if isinstance(function, dict) else None
+                original = self.tool_arguments.get(call_id) if isinstance(call_id, str) else None
                 if original is None or function is None or function.get("arguments") == original:
                     continue
                 canonical = _canonical(original)

@@ -51,18 +51,23 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                 param=f"messages[{i}]",
             )
         calls = message.get("tool_calls")
-        if calls is not None and (
-            not isinstance(calls, list)
-            or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)
-        ):
+        if calls is not None and (not isinstance(calls, list) or not all(_is_tool_call(c) for c in calls)):
             raise ProxyError(
                 "invalid_request",
-                f"messages[{i}].tool_calls must be a list of {{type: function, function: {{...}}}} objects",
+                f"messages[{i}].tool_calls must be a list of {{id: string, function: {{...}}}} objects",
                 param=f"messages[{i}].tool_calls",
             )
         # Chat templates know `system`; `developer` is the newer name for the same thing.
         out.append({**message, "role": "system"} if message["role"] == "developer" else message)
     return out
+
+
+def _is_tool_call(call: Any) -> bool:
+    """An assistant message's tool call as the engine's chat template reads it: an object with a `function`
+    object and, where it has one, a string id."""
+    if not isinstance(call, dict):
+        return False
+    return isinstance(call.get("function"), dict) and isinstance(call.get("id", ""), str)
 
 
 def _tools(value: Any) -> list[dict[str, Any]] | None:
