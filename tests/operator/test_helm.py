@@ -35,7 +35,7 @@ VALUE_SETS: dict[str, list[str]] = {
 }
 KOPF_PEERING_CRDS = {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
 
-pytestmark = pytest.mark.helm
+pytestmark = [pytest.mark.helm, pytest.mark.integration]
 
 
 def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -23,7 +23,7 @@ from tests.operator.test_helm import (
     run_helm,
 )
 
-pytestmark = pytest.mark.helm
+pytestmark = [pytest.mark.helm, pytest.mark.integration]
 
 MONITORING = "monitoring.coreos.com/v1/ServiceMonitor"
 EVERYTHING = [

@@ -50,6 +50,8 @@ from legorl.api.fleet import (
 from legorl.operator.render.common import Images
 from tests.support.scripts import load_script
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "sandbox-images"
 HARNESS = IMAGES / "harness"

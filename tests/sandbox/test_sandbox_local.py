@@ -29,6 +29,7 @@ from legorl.sandbox.trial import TrialOutcome, run_local_trial
 from tests.support.asgi_server import serve
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.skipif(
         shutil.which("bwrap") is None, reason="bubblewrap missing (scripts/get-sandbox-tools.sh)"
     ),

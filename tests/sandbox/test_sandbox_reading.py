@@ -19,6 +19,8 @@ from legorl.sandbox.task import SPLIT_KEY, TaskSet, load_task_set
 from legorl.sandbox.workspace import checkout_source
 from legorl.trainer.warmstart.demos import SUBMIT_COMMAND, grade_commands
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -32,7 +32,10 @@ from legorl.trainer.models import convert, model
 from legorl.trainer.models.model import ModelConfigError, MoeArchitecture
 from legorl.trainer.models.tiny import HYBRID_FAMILIES, hybrid_config, make_tiny_hybrid
 
-pytestmark = [pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "support" / "trainer_ranks.py"

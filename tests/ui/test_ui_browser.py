@@ -27,6 +27,8 @@ from legorl.controller.canary import CanaryCheck, CanaryReport, write_report
 from legorl.ui.server import start_in_thread
 from legorl.ui.synthetic import write_synthetic_store
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "ui-run" / "store"
 CHROMIUM = os.environ.get("LEGORL_CHROMIUM", "/usr/bin/chromium")
