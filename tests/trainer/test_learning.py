@@ -32,23 +32,88 @@ REPO = Path(__file__).resolve().parents[2]
 learning = load_script("learning", REPO / "benchmarks" / "learning.py")
 
 
-def test_the_intervals_are_the_published_ones() -> None:
-    # Newcombe (1998), Statistics in Medicine 17: 81/263 -> [0.2553, 0.3662] (Wilson, method 3) and
-    # 56/70 - 48/80 -> [0.0524, 0.3339] (the hybrid score method, method 10).
+def test_the_unclustered_interval_is_the_published_one() -> None:
+    # Newcombe (1998), Statistics in Medicine 17: 81/263 -> [0.2553, 0.3662] (Wilson, method 3).
     assert learning.wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=5e-5)
-    assert learning.newcombe(56, 70, 48, 80) == pytest.approx((0.0524, 0.3339), abs=5e-5)
     assert learning.wilson(0, 10)[0] == 0.0
     assert learning.wilson(10, 10)[1] == pytest.approx(1.0)
-    pooled = learning.pooled(
-        [
-            {"v0": learning.rate(2, 40), "final": learning.rate(12, 40), "more_sft": learning.rate(4, 40)},
-            {"v0": learning.rate(4, 40), "final": learning.rate(14, 40), "more_sft": learning.rate(4, 40)},
-        ]
+
+
+Outcomes = dict[str, list[int]]
+
+
+def _policies(v0: Outcomes, final: Outcomes, more: Outcomes | None = None) -> dict[str, Outcomes]:
+    return {"v0": v0, "final": final, "more_sft": more if more is not None else v0}
+
+
+def test_the_clustered_bootstrap_resamples_tasks_and_pairs_the_policies() -> None:
+    tasks = [f"t{i:03d}" for i in range(200)]
+    # one sample per task, 60 of 200 solved: with independent samples the bootstrap is Wilson's interval
+    once = {t: [int(i < 60)] for i, t in enumerate(tasks)}
+    result = learning.clustered([_policies(once, once)])
+    assert result["v0"]["rate"] == pytest.approx(0.3)
+    assert result["v0"]["interval95"] == pytest.approx(learning.wilson(60, 200), abs=0.015)
+    # the same outcomes for both policies: a paired difference of exactly 0, whatever the draw
+    assert result["rl_gain"]["difference"] == 0.0
+    assert result["rl_gain"]["interval95"] == (0.0, 0.0)
+    # four samples a task that always agree are worth one sample a task, not four: the clustered interval
+    # is as wide as the one-sample one, where counting 800 independent samples would halve it
+    agreeing = {t: [int(i < 60)] * 4 for i, t in enumerate(tasks)}
+    wide = learning.clustered([_policies(agreeing, agreeing)])["v0"]
+    assert wide["scored"] == 800 and wide["tasks"] == 200
+    width = wide["interval95"][1] - wide["interval95"][0]
+    unclustered = wide["wilson95_unclustered"][1] - wide["wilson95_unclustered"][0]
+    assert width == pytest.approx(result["v0"]["interval95"][1] - result["v0"]["interval95"][0], rel=0.15)
+    assert width > 1.7 * unclustered
+    # two seeds on the same tasks: one draw of tasks for both seeds, rates over all their samples
+    better = {t: [1] for t in tasks[:120]} | {t: [0] for t in tasks[120:]}
+    two = learning.clustered([_policies(once, better), _policies(once, better)])
+    assert (two["v0"]["scored"], two["final"]["solved"]) == (400, 240)
+    assert two["rl_gain"]["difference"] == pytest.approx(0.3)
+    low, high = two["rl_gain"]["interval95"]
+    assert 0.2 < low < 0.3 < high < 0.4
+    # seeded: a rerun reports the same figures
+    assert learning.clustered([_policies(once, better)]) == learning.clustered([_policies(once, better)])
+
+
+def test_the_target_is_read_off_the_pooled_intervals() -> None:
+    tasks = [f"t{i:02d}" for i in range(40)]
+    v0 = {t: [int(i < 8)] * 4 for i, t in enumerate(tasks)}
+    final = {t: [int(i < 24)] * 4 for i, t in enumerate(tasks)}
+    more = {t: [int(i < 12)] * 4 for i, t in enumerate(tasks)}
+    seeds = [{"per_task": _policies(v0, final, more)} for _ in range(3)]
+    pooled = learning.pooled(seeds)
+    assert pooled["rl_gain"]["difference"] == pytest.approx(0.4)
+    assert pooled["target"] == {
+        "wanted": pooled["target"]["wanted"],
+        "gain_at_least_0.20": True,
+        "intervals_apart": True,
+        "rl_ahead_of_more_sft": True,
+        "seeds": 3,
+    }
+    level = learning.pooled([{"per_task": _policies(v0, v0, v0)}])
+    assert not any(
+        level["target"][k] for k in ("gain_at_least_0.20", "intervals_apart", "rl_ahead_of_more_sft")
     )
-    assert (pooled["v0"]["solved"], pooled["v0"]["scored"], pooled["final"]["solved"]) == (6, 80, 26)
-    assert pooled["rl_gain"]["difference"] == pytest.approx(0.25)
-    assert pooled["rl_gain"]["interval95"] == pytest.approx(learning.newcombe(26, 80, 6, 80))
-    assert pooled["target"]["gain_at_least_0.20"] and pooled["target"]["intervals_apart"]
+
+
+def test_a_finished_phase_is_not_run_again(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def work() -> dict[str, int]:
+        calls.append(1)
+        return {"answer": 42}
+
+    assert learning._phase(tmp_path, "rl", work)[0] == {"answer": 42}
+    result, seconds = learning._phase(tmp_path, "rl", work)
+    assert (result, len(calls)) == ({"answer": 42}, 1) and seconds >= 0
+
+    def crash() -> None:
+        raise RuntimeError("cut off")
+
+    with pytest.raises(RuntimeError):
+        learning._phase(tmp_path, "more-sft", crash)
+    assert not (tmp_path / "phase-more-sft.json").exists()  # a phase cut off midway runs again
 
 
 def test_what_a_trial_did_is_read_off_its_commands() -> None:
@@ -91,12 +156,24 @@ def test_the_results_file_has_every_field(quick: tuple[Path, dict[str, Any]]) ->
     (seed,) = result["seeds"]
     for policy in ("v0", "final", "more_sft"):
         scored = seed[policy]
-        assert scored["scored"] == 3, scored  # the quick run scores 3 test tasks once each
-        assert 0 <= scored["solved"] <= 3
+        # the quick run scores 3 test tasks twice each (an infrastructure failure would be counted)
+        assert (scored["scored"], scored["tasks"]) == (6, 3), scored
+        assert seed["tasks_scored_fewer_times"][policy] == 0
+        assert 0 <= scored["solved"] <= 6
+        assert sum(map(sum, seed["per_task"][policy].values())) == scored["solved"]
         low, high = scored["interval95"]
-        assert 0 <= low <= high <= 1
-        assert seed["behaviours"][policy]["trials"] == 3
+        assert 0 <= low <= scored["rate"] <= high <= 1
+        assert seed["behaviours"][policy]["trials"] == 6
         assert set(seed["behaviours"][policy]) >= {"read_tests_first", "wrote_a_fix", "right_found"}
+    # every RL step's figures: the trainer's, the batch's groups, the malformed answers
+    assert [f["step"] for f in seed["steps"]] == [1, 2]
+    for figures in seed["steps"]:
+        assert figures["trainer"]["step"] == figures["step"]
+        assert figures["trainer"].get("skipped") or figures["trainer"]["entropy"] is not None
+        assert figures["batch"]["trials"] == 4  # 2 tasks x 2 trials
+        groups = figures["groups_all_solved"] + figures["groups_none_solved"] + figures["groups_mixed"]
+        assert groups == 2
+        assert figures["answers"] >= 4 and 0 <= figures["malformed_answer_rate"] <= 1
     for gain in ("rl_gain", "more_sft_gain", "rl_vs_more_sft"):
         assert set(seed[gain]) == {"difference", "interval95"}
         assert set(result["pooled"][gain]) == {"difference", "interval95"}
@@ -106,6 +183,28 @@ def test_the_results_file_has_every_field(quick: tuple[Path, dict[str, Any]]) ->
     assert seed["seconds"]["total"] > 0
     assert set(result["pooled"]["target"]) >= {"gain_at_least_0.20", "intervals_apart", "seeds"}
     assert all(seed["checks"].values()), seed["checks"]
+
+
+def test_a_rerun_picks_up_where_the_seed_stopped(quick: tuple[Path, dict[str, Any]]) -> None:
+    # As after a session's end between the last phase and the results: every phase is kept, only the
+    # scoring is read again, and no `legorl run` or training starts.
+    work, first = quick
+    (work / "seed-1" / "result.json").unlink()
+    log = work / "learning.log"
+    before = log.read_text()
+    out = work / "again.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/learning.py", "--quick", "--work", str(work), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "$ " not in log.read_text()[len(before) :]  # no child process ran
+    again = json.loads(out.read_text())
+    (seed,), (kept,) = again["seeds"], first["seeds"]
+    assert seed["per_task"] == kept["per_task"] and seed["seconds"] == kept["seconds"]
 
 
 def test_the_splits_are_disjoint_and_only_train_and_test_tasks_reach_the_run(
