@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what the sandbox stages and their tests run: bubblewrap (the local backend's
 # namespaces), iptables (the Kubernetes egress lock, tested in network namespaces), iproute2,
-# git, and swebench's instance schema (installed without its dependencies: only
+# git, patchelf with Debian's python3 and pip wheel (sandbox-images/debian-python.sh, whose test
+# must run, not skip), and swebench's instance schema (installed without its dependencies: only
 # `swebench.types` is imported, to check the task format stays compatible).
 # Idempotent. Usage: bash scripts/get-sandbox-tools.sh
 set -euo pipefail
@@ -9,9 +10,13 @@ cd "$(dirname "$0")/.."
 . scripts/_python.sh
 
 missing=()
-for tool in bwrap:bubblewrap iptables:iptables ip:iproute2 git:git prlimit:util-linux; do
+for tool in bwrap:bubblewrap iptables:iptables ip:iproute2 git:git prlimit:util-linux patchelf:patchelf; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || missing+=("${tool#*:}")
 done
+# sandbox-images/debian-python.sh (the harness images' Python from Debian, tested on this machine) copies
+# Debian's own python3 and installs pip from its wheel.
+[ -x /usr/bin/python3 ] && [ -d /usr/lib/python3/dist-packages ] || missing+=(python3)
+compgen -G '/usr/share/python-wheels/pip-*.whl' >/dev/null || missing+=(python3-pip-whl)
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq >/dev/null
