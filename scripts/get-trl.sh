@@ -46,6 +46,7 @@ if [ "$(cat "$venv/.legorl-installed" 2>/dev/null)" != "$pins" ]; then
   mkdir -p "$(dirname "$venv")"
   "$PY" -m venv "$venv"
   # torch's +cpu build is only in the local wheel store (pip's find-links on these machines).
+  # shellcheck disable=SC2086 # one requirement per word
   if ! "$venv/bin/python" -m pip install --quiet --disable-pip-version-check $pins >&2; then
     echo "get-trl.sh: pip could not install $pins (is torch==$TORCH_VERSION in a local wheel store pip's find-links names?)" >&2
     exit 1
