@@ -166,6 +166,20 @@ def main(argv: list[str]) -> int:
         callbacks=[Record()],
     )
     trainer_box.append(trainer)
+    # And what TRL itself sends to generation and the loss, every step: its own tokenization, observed.
+    expected = {t["prompt_text"]: t["prompt_ids"] for t in tasks}
+    tokenize = trainer._tokenize_prompts
+    observed = [0]
+
+    def checked(prompts: list[Any]) -> Any:
+        got = tokenize(prompts)
+        for text, ids in zip(prompts, got[0], strict=True):
+            if list(ids) != expected[text]:
+                raise RuntimeError("TRL tokenized a prompt to other ids than legorl's side samples after")
+        observed[0] += len(prompts)
+        return got
+
+    trainer._tokenize_prompts = checked
     if tokenizer.eos_token != STOP:  # TRL stops at the eos token: legorl's side stops at STOP
         raise SystemExit(f"the checkpoint's eos token is {tokenizer.eos_token!r}, not {STOP}")
     trainer.train()
@@ -178,6 +192,7 @@ def main(argv: list[str]) -> int:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "prompt_ids_checked": len(tasks),
+        "prompt_ids_observed": observed[0],
         "seconds": time.perf_counter() - started,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -132,6 +132,11 @@ def test_the_quick_comparison_runs_both_trainers_end_to_end(tmp_path: Path) -> N
     assert run["legorl"]["evaluations"][0] == run["trl"]["evaluations"][0]
     assert result["versions"]["trl"]["transformers"] == result["versions"]["legorl"]["transformers"]
     assert result["versions"]["trl"]["prompt_ids_checked"] == result["tasks"]["train"] > 0
+    # TRL's own tokenization of every prompt it generated from (P prompts × G samples a step).
+    assert (
+        result["versions"]["trl"]["prompt_ids_observed"]
+        == plan.steps * plan.prompts_per_step * plan.group_size
+    )
     assert result["legorl_settings"] == bench.LEGORL_DEFAULTS
     assert set(result["agreement"]["quick"]["mean_difference"]) == {
         "train_reward_last",
