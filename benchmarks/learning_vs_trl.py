@@ -120,7 +120,7 @@ class Plan:
     """Everything a run of the benchmark is made of (the warm start's part keys its cache)."""
 
     settings: tuple[Setting, ...]
-    steps: int = 30
+    steps: int = 40
     prompts_per_step: int = 8
     group_size: int = 4
     save_every: int = 5
@@ -141,10 +141,13 @@ class Plan:
 
 FULL = Plan(
     settings=(
-        Setting("lr1e-3", 1e-3, (1, 2, 3)),
-        Setting("lr1e-4", 1e-4, (1,)),
+        # The learning benchmark's learning rate (benchmarks/learning.py), three seeds: the noise.
+        Setting("lr1e-4", 1e-4, (1, 2, 3)),
+        Setting("lr3e-5", 3e-5, (1,)),
+        Setting("lr3e-4", 3e-4, (1,)),
+        Setting("lr1e-3", 1e-3, (1,)),
         Setting("lr3e-3", 3e-3, (1,)),
-        Setting("lr1e-3-keep-zero-variance", 1e-3, (1,), zero_variance_groups="Keep", trl=False),
+        Setting("lr1e-4-keep-zero-variance", 1e-4, (1,), zero_variance_groups="Keep", trl=False),
     ),
 )
 QUICK = Plan(
@@ -188,8 +191,8 @@ def record_demos(plan: Plan, work: Path) -> dict[str, Path]:
     return demos
 
 
-def warm_start(plan: Plan, work: Path, demos: dict[str, Path]) -> tuple[Path, dict[str, Any]]:
-    """The shared start checkpoint: made once per seed, recipe and demonstrations, then reused."""
+def warm_start_folder(plan: Plan, work: Path, demos: dict[str, Path]) -> Path:
+    """Where the start for `plan` lives: keyed by its seed, the recipe and the demonstrations."""
     from legorl.trainer.warmstart import reading  # noqa: PLC0415
 
     key = hashlib.sha256(
@@ -207,7 +210,12 @@ def warm_start(plan: Plan, work: Path, demos: dict[str, Path]) -> tuple[Path, di
         + demos["train"].read_bytes()
         + demos["validation"].read_bytes()
     ).hexdigest()[:12]
-    out = work / f"warm-seed{plan.warm_seed}-{key}"
+    return work / f"warm-seed{plan.warm_seed}-{key}"
+
+
+def warm_start(plan: Plan, work: Path, demos: dict[str, Path]) -> tuple[Path, dict[str, Any]]:
+    """The shared start checkpoint: made once per seed, recipe and demonstrations, then reused."""
+    out = warm_start_folder(plan, work, demos)
     if not ((out / "sft.json").is_file() and (out / "model.safetensors").is_file()):
         say(f"warm start (seed {plan.warm_seed}) into {out}")
         shutil.rmtree(out, ignore_errors=True)
@@ -336,8 +344,9 @@ def run_legorl(job: dict[str, Any]) -> None:
         prompts = [tasks[i]["prompt_ids"] for i in chosen for _ in range(group)]
         answers = generate(
             policy,
-            prompts,
-            [False] * len(prompts),
+            [tasks[i]["prompt_ids"] for i in chosen],
+            samples=group,
+            greedy=False,
             stop_id=stop_id,
             pad_id=pad_id,
             max_new_tokens=int(job["max_new_tokens"]),
@@ -418,76 +427,72 @@ def _left_padded(rows: Sequence[Sequence[int]], pad: int) -> tuple[Any, Any, Any
 def generate(
     model: Any,
     prompts: Sequence[Sequence[int]],
-    greedy: Sequence[bool],
     *,
+    samples: int,
+    greedy: bool,
     stop_id: int,
     pad_id: int,
     max_new_tokens: int,
     generator: Any,
+    reference: Any = None,
 ) -> list[dict[str, Any]]:
-    """Answers of a transformers model (left-padded batch, KV cache), each with the log-prob and the
-    entropy of the policy at every generated token; greedy rows take the argmax."""
+    """`samples` answers of a transformers model to each prompt (rows prompt by prompt; left-padded, KV
+    cache, each prompt's prefill computed once and repeated), with the log-prob and the entropy of the
+    policy at every generated token; greedy: the argmax. With `reference`, that model follows the same
+    tokens: its log-prob of each and the exact KL(policy ‖ reference) of the next-token distributions."""
     import torch  # noqa: PLC0415
 
-    ids, mask, positions = _left_padded(prompts, pad_id)
-    rows = len(prompts)
-    greedy_t = torch.tensor(list(greedy), dtype=torch.bool)
-    tokens: list[list[int]] = [[] for _ in range(rows)]
-    logps: list[list[float]] = [[] for _ in range(rows)]
-    ents: list[list[float]] = [[] for _ in range(rows)]
-    done = torch.zeros(rows, dtype=torch.bool)
+    ids, prompt_mask, positions = _left_padded(prompts, pad_id)
+    rows = len(prompts) * samples
+    mask = prompt_mask.repeat_interleave(samples, 0)
+    last = positions[:, -1].repeat_interleave(samples, 0)
+    models = [model] if reference is None else [model, reference]
+    states = []
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        last = positions[:, -1]
+        for net in models:
+            out = net(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True)
+            out.past_key_values.batch_repeat_interleave(samples)
+            states.append([out.past_key_values, out.logits[:, -1].float().repeat_interleave(samples, 0)])
+        answers: list[dict[str, list[Any]]] = [
+            {"tokens": [], "logps": [], "entropy": [], "ref_logps": [], "kl": []} for _ in range(rows)
+        ]
+        done = torch.zeros(rows, dtype=torch.bool)
         for _ in range(max_new_tokens):
-            logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-            entropy = -(logp.exp() * logp).sum(-1)
-            picked = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-            picked = torch.where(greedy_t, logp.argmax(-1), picked)
+            logp = torch.log_softmax(states[0][1], dim=-1)
+            probs = logp.exp()
+            picked = (
+                logp.argmax(-1) if greedy else torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            )
+            entropy = -(probs * logp).sum(-1)
+            chosen = logp.gather(1, picked[:, None]).squeeze(1)
+            if reference is not None:
+                ref_logp = torch.log_softmax(states[1][1], dim=-1)
+                kl = (probs * (logp - ref_logp)).sum(-1)
+                ref_chosen = ref_logp.gather(1, picked[:, None]).squeeze(1)
             for i in range(rows):
                 if not done[i]:
-                    token = int(picked[i])
-                    tokens[i].append(token)
-                    logps[i].append(float(logp[i, token]))
-                    ents[i].append(float(entropy[i]))
+                    a = answers[i]
+                    a["tokens"].append(int(picked[i]))
+                    a["logps"].append(float(chosen[i]))
+                    a["entropy"].append(float(entropy[i]))
+                    if reference is not None:
+                        a["ref_logps"].append(float(ref_chosen[i]))
+                        a["kl"].append(float(kl[i]))
             done |= picked == stop_id
             if bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)
             last = last + 1
-            out = model(
-                input_ids=picked[:, None],
-                attention_mask=mask,
-                position_ids=last[:, None],
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
-    return [{"tokens": t, "logps": lp, "entropy": e} for t, lp, e in zip(tokens, logps, ents, strict=True)]
-
-
-def teacher_logps(
-    model: Any, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *, pad_id: int
-) -> list[list[float]]:
-    """log π(answer token | prompt, answer so far) under `model`, per answer token (rows in chunks)."""
-    import torch  # noqa: PLC0415
-
-    out: list[list[float]] = []
-    with torch.no_grad():
-        for start in range(0, len(prompts), 32):
-            ps, answer_chunk = prompts[start : start + 32], answers[start : start + 32]
-            rows = [list(p) + list(a) for p, a in zip(ps, answer_chunk, strict=True)]
-            ids, mask, positions = _left_padded(rows, pad_id)
-            keep = max(len(a) for a in answer_chunk) + 1
-            logits = model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep
-            ).logits.float()
-            logp = torch.log_softmax(logits, dim=-1)
-            for i, a in enumerate(answer_chunk):
-                # Answer token j sits at column width − len(a) + j and is predicted by the column before
-                # it; the kept logits cover the last `keep` columns.
-                first = keep - 1 - len(a)
-                out.append([float(logp[i, first + j, tok]) for j, tok in enumerate(a)])
-    return out
+            for net, state in zip(models, states, strict=True):
+                out = net(
+                    input_ids=picked[:, None],
+                    attention_mask=mask,
+                    position_ids=last[:, None],
+                    past_key_values=state[0],
+                    use_cache=True,
+                )
+                state[0], state[1] = out.past_key_values, out.logits[:, -1].float()
+    return answers
 
 
 def evaluate_checkpoint(
@@ -501,39 +506,35 @@ def evaluate_checkpoint(
     tokenizer: Any = AutoTokenizer.from_pretrained(str(checkpoint))
     model: Any = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     model.eval()
-    stop_id = int(tokenizer.convert_tokens_to_ids(STOP))
-    pad_id = int(tokenizer.pad_token_id)
-    prompts = [t["prompt_ids"] for t in tasks for _ in range(samples)] + [t["prompt_ids"] for t in tasks]
-    greedy = [False] * (len(tasks) * samples) + [True] * len(tasks)
-    generator = torch.Generator().manual_seed(seed)
-    answers = generate(
-        model, prompts, greedy, stop_id=stop_id, pad_id=pad_id, max_new_tokens=max_new, generator=generator
-    )
-    texts = tokenizer.batch_decode([a["tokens"] for a in answers], skip_special_tokens=False)
-    expected = [t["command"] for t in tasks for _ in range(samples)] + [t["command"] for t in tasks]
-    scored = [score(text, cmd) for text, cmd in zip(texts, expected, strict=True)]
-    n = len(tasks) * samples
-    sampled, greedy_scored = scored[:n], scored[n:]
-    sampled_answers = answers[:n]
-    start_logps = teacher_logps(start, prompts[:n], [a["tokens"] for a in sampled_answers], pad_id=pad_id)
-    k1 = [
-        lp - l0
-        for a, l0s in zip(sampled_answers, start_logps, strict=True)
-        for lp, l0 in zip(a["logps"], l0s, strict=True)
-    ]
-    k3 = [math.exp(-d) - 1.0 + d for d in k1]
-    tokens = sum(len(a["tokens"]) for a in sampled_answers)
+    common: dict[str, Any] = {
+        "stop_id": int(tokenizer.convert_tokens_to_ids(STOP)),
+        "pad_id": int(tokenizer.pad_token_id),
+        "max_new_tokens": max_new,
+        "generator": torch.Generator().manual_seed(seed),
+    }
+    prompts = [t["prompt_ids"] for t in tasks]
+    sampled_answers = generate(model, prompts, samples=samples, greedy=False, reference=start, **common)
+    greedy_answers = generate(model, prompts, samples=1, greedy=True, **common)
+
+    def scored(answers: list[dict[str, Any]], per: int) -> list[Any]:
+        texts = tokenizer.batch_decode([a["tokens"] for a in answers], skip_special_tokens=False)
+        return [score(text, tasks[i // per]["command"]) for i, text in enumerate(texts)]
+
+    sampled, greedy_scored = scored(sampled_answers, samples), scored(greedy_answers, 1)
+    n = len(sampled)
+    k1 = [lp - ref for a in sampled_answers for lp, ref in zip(a["logps"], a["ref_logps"], strict=True)]
+    tokens = max(1, len(k1))
     return {
         "tasks": len(tasks),
         "samples": n,
         "sampled_exact_fix": sum(s.reward for s in sampled) / n,
         "greedy_exact_fix": sum(s.reward for s in greedy_scored) / len(tasks),
         "malformed": sum(s.malformed for s in sampled) / n,
-        "entropy": sum(e for a in sampled_answers for e in a["entropy"]) / max(1, tokens),
-        "kl_start_k1": sum(k1) / max(1, len(k1)),
-        "kl_start_k3": sum(k3) / max(1, len(k3)),
-        "kl_start_per_answer": sum(k1) / n,
-        "answer_tokens": tokens / n,
+        "entropy": sum(e for a in sampled_answers for e in a["entropy"]) / tokens,
+        "kl_start": sum(k for a in sampled_answers for k in a["kl"]) / tokens,
+        "kl_start_k1": sum(k1) / tokens,
+        "kl_start_per_answer": sum(k for a in sampled_answers for k in a["kl"]) / n,
+        "answer_tokens": len(k1) / n,
         "per_task": [
             sum(s.reward for s in sampled[i * samples : (i + 1) * samples]) / samples
             for i in range(len(tasks))
@@ -765,6 +766,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
     p.add_argument("--work", type=Path, default=REPO / ".legorl" / "learning-vs-trl")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "learning-vs-trl.json")
     p.add_argument("--only", help="comma-separated setting names (default: all)")
+    p.add_argument("--seeds", help="comma-separated seeds, replacing each setting's")
+    p.add_argument("--steps", type=int, help="RL steps of every run (default: the plan's)")
+    p.add_argument("--jobs", type=int, help="processes at a time (default 2, one torch thread each)")
     args = p.parse_args(argv)
     if args.command == "legorl":
         run_legorl(json.loads(args.job.read_text()))
@@ -778,6 +782,10 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
     if args.only:
         wanted = set(args.only.split(","))
         plan = replace(plan, settings=tuple(s for s in plan.settings if s.name in wanted))
+    if args.seeds:
+        seeds = tuple(int(x) for x in args.seeds.split(","))
+        plan = replace(plan, settings=tuple(replace(s, seeds=seeds) for s in plan.settings))
+    plan = replace(plan, steps=args.steps or plan.steps, jobs=args.jobs or plan.jobs)
     commit = git_commit()
     work: Path = args.work / ("quick" if args.quick else "full")
     work.mkdir(parents=True, exist_ok=True)
