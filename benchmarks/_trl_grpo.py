@@ -86,7 +86,7 @@ def grpo_config(job: dict[str, Any], out: Path) -> Any:
     )
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:  # noqa: PLR0915 -- one run, start to end
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
     import trl  # noqa: PLC0415
@@ -118,6 +118,7 @@ def main(argv: list[str]) -> int:
 
     per_step: dict[int, dict[str, Any]] = {}
     trainer_box: list[Any] = []
+    replay = job.get("replay")
 
     def exact_fix(
         prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kwargs: Any
@@ -125,14 +126,16 @@ def main(argv: list[str]) -> int:
         step = int(trainer_box[0].state.global_step) + 1
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=False)
         scored = [score(text, command) for text, command in zip(texts, kwargs["command"], strict=True)]
+        # The gradient check gives the batch's rewards (they may be set by rule); a run scores its answers.
+        rewards = list(replay["rewards"]) if replay is not None else [s.reward for s in scored]
         per_step[step] = {
             "step": step,
             "tasks": kwargs["task"],
-            "rewards": [s.reward for s in scored],
+            "rewards": rewards,
             "malformed": [s.malformed for s in scored],
             "completion_tokens": [len(c) for c in completion_ids],
         }
-        return [s.reward for s in scored]
+        return rewards
 
     class Record(TrainerCallback):
         """Per-step figures, the step's time and the checkpoints the evaluator scores."""
@@ -157,13 +160,42 @@ def main(argv: list[str]) -> int:
                 trainer_box[0].model.save_pretrained(str(folder), safe_serialization=True)
                 tokenizer.save_pretrained(str(folder))
 
+    rollout = None
+    if replay is not None:
+        # The gradient check: no sampling, the recorded answers of one batch (TRL's public rollout_func),
+        # and the gradient TRL steps with, saved as a checkpoint of gradients (after its clipping).
+        def rollout(prompts: list[str], trainer: Any) -> dict[str, Any]:
+            if len(prompts) != len(replay["completion_ids"]):
+                raise RuntimeError(
+                    f"{len(prompts)} prompts for {len(replay['completion_ids'])} recorded answers"
+                )
+            return {
+                "prompt_ids": [tasks[i]["prompt_ids"] for i in replay["rows"]],
+                "completion_ids": replay["completion_ids"],
+                "logprobs": replay["logprobs"],
+            }
+
+    class SaveGradient(TrainerCallback):
+        """The gradient the optimizer is about to apply, in the checkpoint's own tensor layout."""
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            net = trainer_box[0].model
+            kept = {n: p.detach().clone() for n, p in net.named_parameters()}
+            with torch.no_grad():
+                for _, p in net.named_parameters():
+                    p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+                net.save_pretrained(str(out / "gradient"), safe_serialization=True)
+                for n, p in net.named_parameters():
+                    p.copy_(kept[n])
+
     trainer = trl.GRPOTrainer(
         model=model,
         reward_funcs=exact_fix,
         args=grpo_config(job, out),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[Record()],
+        callbacks=[Record()] + ([SaveGradient()] if replay is not None else []),
+        rollout_func=rollout,
     )
     trainer_box.append(trainer)
     # And what TRL itself sends to generation and the loss, every step: its own tokenization, observed.

@@ -28,6 +28,11 @@ ONE evaluator scores both sides' checkpoints, so their curves are comparable.
   and the KL to the start on those samples (k1 = mean log π/π₀ per token, and k3). Each side also records
   its own per-step training reward and figures (legorl's `StepFigures`; TRL's logged metrics).
 
+**The gradient check** (`gradient_check`): before comparing curves, ONE batch — the start's answers to the
+first step whose groups have reward spread — goes to both trainers (TRL's through its public `rollout_func`),
+and the gradients each applies are compared tensor by tensor in the checkpoint's layout (cosine, relative
+difference, the norms before clipping against what the mapping below predicts).
+
 **How legorl's settings map onto TRL's** (`_trl_grpo.grpo_config` is this list; legorl → TRL 1.16):
 
 - GRPO with one mini-batch (one optimizer step per batch, ratio 1) → `steps_per_generation=1`,
@@ -299,6 +304,90 @@ def hf_policy(trainer: Any, source: Path, folder: Path) -> Any:
     return model
 
 
+def policy_trainer(job: dict[str, Any], out: Path) -> Any:
+    """legorl's `PolicyTrainer` on the job's start, with the job's settings (the rest: legorl's defaults)."""
+    from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
+    from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
+
+    s = job["settings"]
+    settings = TrainerSettings(
+        run="learning-vs-trl",
+        store_uri=str(out / "store"),
+        checkpoint_dir=Path(job["checkpoint"]),
+        learning_rate=float(job["learning_rate"]),
+        clip_low=float(s["clip_low"]),
+        clip_high=float(s["clip_high"]),
+        grad_clip=float(s["grad_clip"]),
+        weight_decay=float(s["weight_decay"]),
+        drop_zero_variance_groups=s["zero_variance_groups"] == "Drop",
+        loss_aggregation=s.get("loss_aggregation", "TokenMean"),
+        device="cpu",
+        seed=int(job["seed"]),
+    )
+    return PolicyTrainer(settings)
+
+
+def make_trials(
+    step: int,
+    tasks: Sequence[dict[str, Any]],
+    answers: Sequence[Sequence[int]],
+    logps: Sequence[Sequence[float]],
+    rewards: Sequence[float],
+) -> list[Any]:
+    """The trials the run controller would commit for these answers (`tasks[k]`: answer k's task): one
+    segment each, the prompt untrained, the answer trained with its behaviour log-probs; a group per task."""
+    from legorl.trainer.sampling import Sample, to_trial  # noqa: PLC0415
+
+    return [
+        to_trial(
+            Sample(list(task["prompt_ids"]) + list(a), len(task["prompt_ids"]), list(lp), None),
+            run="learning-vs-trl",
+            trial=f"s{step}-t{k}",
+            group_id=f"s{step}-{task['task_id']}",
+            reward=reward,
+            step=step,
+            policy_version=f"v{step - 1}",
+            task_id=task["task_id"],
+        )
+        for k, (task, a, lp, reward) in enumerate(zip(tasks, answers, logps, rewards, strict=True))
+    ]
+
+
+def run_legorl_gradient(job: dict[str, Any]) -> None:
+    """The gradient check's legorl side: one `train_step` on the job's recorded batch; the gradient the
+    optimizer applied (after clipping), exported to the checkpoint's own tensor layout, and the figures."""
+    import torch  # noqa: PLC0415
+
+    from legorl.trainer.models import convert  # noqa: PLC0415
+
+    torch.set_num_threads(int(job["threads"]))
+    out = Path(job["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = policy_trainer(job, out)
+    replay = job["replay"]
+    tasks = [job["tasks"][i] for i in replay["rows"]]
+    trials = make_trials(1, tasks, replay["completion_ids"], replay["logprobs"], replay["rewards"])
+    applied: list[Any] = []
+    step = trainer.optimizer.step
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        applied[:] = [p.grad.detach().clone() for p in trainer.params]
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    figures = trainer.train_step(trials, step=1)
+    with torch.no_grad():
+        kept = [p.detach().clone() for p in trainer.params]
+        for p, g in zip(trainer.params, applied, strict=True):
+            p.copy_(g)
+        convert.save_hf_checkpoint(
+            trainer.model, trainer.arch, out / "gradient", source_dir=Path(job["checkpoint"])
+        )
+        for p, k in zip(trainer.params, kept, strict=True):
+            p.copy_(k)
+    (out / "figures.json").write_text(figures.model_dump_json(exclude_none=True) + "\n")
+
+
 def run_legorl(job: dict[str, Any]) -> None:
     """legorl's side: sample with the policy (its exported weights, `hf_policy`), score, build the trials the
     run controller would commit, take `PolicyTrainer.train_step` on them; save HF checkpoints for the
@@ -307,30 +396,13 @@ def run_legorl(job: dict[str, Any]) -> None:
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     from legorl.trainer.models import convert  # noqa: PLC0415
-    from legorl.trainer.sampling import Sample, to_trial  # noqa: PLC0415
-    from legorl.trainer.settings import TrainerSettings  # noqa: PLC0415
-    from legorl.trainer.train import PolicyTrainer  # noqa: PLC0415
 
     started = time.perf_counter()
     torch.set_num_threads(int(job["threads"]))
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = Path(job["checkpoint"])
-    s = job["settings"]
-    settings = TrainerSettings(
-        run="learning-vs-trl",
-        store_uri=str(out / "store"),
-        checkpoint_dir=checkpoint,
-        learning_rate=float(job["learning_rate"]),
-        clip_low=float(s["clip_low"]),
-        clip_high=float(s["clip_high"]),
-        grad_clip=float(s["grad_clip"]),
-        weight_decay=float(s["weight_decay"]),
-        drop_zero_variance_groups=s["zero_variance_groups"] == "Drop",
-        device="cpu",
-        seed=int(job["seed"]),
-    )
-    trainer = PolicyTrainer(settings)
+    trainer = policy_trainer(job, out)
     tokenizer: Any = AutoTokenizer.from_pretrained(str(checkpoint))
     stop_id = int(tokenizer.convert_tokens_to_ids(STOP))
     pad_id = int(tokenizer.pad_token_id)
@@ -341,7 +413,6 @@ def run_legorl(job: dict[str, Any]) -> None:
     for step, chosen in enumerate(job["schedule"], start=1):
         began = time.perf_counter()
         policy = hf_policy(trainer, checkpoint, out / "policy")
-        prompts = [tasks[i]["prompt_ids"] for i in chosen for _ in range(group)]
         answers = generate(
             policy,
             [tasks[i]["prompt_ids"] for i in chosen],
@@ -355,19 +426,13 @@ def run_legorl(job: dict[str, Any]) -> None:
         sampled = time.perf_counter() - began
         texts = tokenizer.batch_decode([a["tokens"] for a in answers], skip_special_tokens=False)
         scored = [score(text, tasks[chosen[k // group]]["command"]) for k, text in enumerate(texts)]
-        trials = [
-            to_trial(
-                Sample(list(p) + a["tokens"], len(p), a["logps"], None),
-                run="learning-vs-trl",
-                trial=f"s{step}-t{k}",
-                group_id=f"s{step}-{tasks[chosen[k // group]]['task_id']}",
-                reward=sc.reward,
-                step=step,
-                policy_version=f"v{step - 1}",
-                task_id=tasks[chosen[k // group]]["task_id"],
-            )
-            for k, (p, a, sc) in enumerate(zip(prompts, answers, scored, strict=True))
-        ]
+        trials = make_trials(
+            step,
+            [tasks[chosen[k // group]] for k in range(len(answers))],
+            [a["tokens"] for a in answers],
+            [a["logps"] for a in answers],
+            [sc.reward for sc in scored],
+        )
         figures = trainer.train_step(trials, step=step)
         row = {
             "step": step,
@@ -756,9 +821,153 @@ def _sd(values: Sequence[float]) -> float:
     return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
 
 
+def gradient_check(
+    plan: Plan,
+    work: Path,
+    *,
+    start: Path,
+    tasks: list[dict[str, Any]],
+    max_new: int,
+    trl_py: str,
+    env: dict[str, str],
+) -> dict[str, Any]:
+    """The two trainers' gradients on ONE batch: the start's answers to the first step (of the first seed's
+    order) whose groups have reward spread, given to both. legorl's with `Drop` (its default) and `Keep`,
+    TRL's through its rollout_func. Same direction expected in both (flat groups add no gradient); the
+    norms: equal with `Keep`, legorl's larger by all tokens / tokens of groups with spread with `Drop`."""
+    import torch  # noqa: PLC0415
+    from safetensors.torch import load_file  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(start))
+    model: Any = AutoModelForCausalLM.from_pretrained(str(start), dtype=torch.float32)
+    model.eval()
+    generator = torch.Generator().manual_seed(plan.eval_seed)
+    group = plan.group_size
+    batches = []
+    for chosen in schedule(len(tasks), plan.steps, plan.prompts_per_step, plan.settings[0].seeds[0]):
+        answers = generate(
+            model,
+            [tasks[i]["prompt_ids"] for i in chosen],
+            samples=group,
+            greedy=False,
+            stop_id=int(tokenizer.convert_tokens_to_ids(STOP)),
+            pad_id=int(tokenizer.pad_token_id),
+            max_new_tokens=max_new,
+            generator=generator,
+        )
+        texts = tokenizer.batch_decode([a["tokens"] for a in answers], skip_special_tokens=False)
+        rewards = [score(t, tasks[chosen[k // group]]["command"]).reward for k, t in enumerate(texts)]
+        batches.append((chosen, answers, rewards))
+        if sum(len(set(rewards[g * group : (g + 1) * group])) > 1 for g in range(len(chosen))) >= 2:
+            source = "exact fix"
+            break
+    else:
+        # A start that never fixes (the quick run's): the gradients given rewards are what is compared, so
+        # the first batch gets rewards by rule, the first answer of each group rewarded.
+        chosen, answers, _ = batches[0]
+        rewards = [1.0 if k % group == 0 else 0.0 for k in range(len(answers))]
+        source = "synthetic: the first answer of each group"
+    spread = [len(set(rewards[g * group : (g + 1) * group])) > 1 for g in range(len(chosen))]
+    lengths = [len(a["tokens"]) for a in answers]
+    spread_tokens = sum(n for k, n in enumerate(lengths) if spread[k // group])
+    replay = {
+        "rows": [i for i in chosen for _ in range(group)],
+        "completion_ids": [a["tokens"] for a in answers],
+        "logprobs": [a["logps"] for a in answers],
+        "rewards": rewards,
+    }
+    job = {
+        "checkpoint": str(start),
+        "tasks": tasks,
+        "schedule": [chosen],
+        "group_size": group,
+        "learning_rate": plan.settings[0].learning_rate,
+        "max_new_tokens": max_new,
+        "seed": 1,
+        "save_every": 1,
+        "threads": plan.threads,
+        "replay": replay,
+    }
+    # (command, zeroVarianceGroups, lossAggregation). The control is a plausible mis-mapping (TRL's own
+    # default "grpo" loss averages each sequence first): what the check reads when the losses differ.
+    sides = {
+        "legorl-drop": ("legorl-gradient", "Drop", "TokenMean"),
+        "legorl-keep": ("legorl-gradient", "Keep", "TokenMean"),
+        "control-sequence-mean": ("legorl-gradient", "Keep", "SequenceMeanTokenMean"),
+        "trl": ("trl", "Drop", "TokenMean"),
+    }
+    pool = Pool(plan.jobs)
+    for name, (command, zero_variance, aggregation) in sides.items():
+        path = work / f"{name}-job.json"
+        side_job = {
+            **job,
+            "out": str(work / name),
+            "settings": {
+                **LEGORL_DEFAULTS,
+                "zero_variance_groups": zero_variance,
+                "loss_aggregation": aggregation,
+            },
+        }
+        path.write_text(json.dumps(side_job))
+        argv = (
+            [trl_py, str(HERE / "_trl_grpo.py"), str(path)]
+            if command == "trl"
+            else [PY, str(HERE / "learning_vs_trl.py"), command, str(path)]
+        )
+        pool.start(argv, work / f"{name}.log", env)
+    pool.wait()
+
+    def flat(name: str) -> Any:
+        tensors = load_file(str(work / name / "gradient" / "model.safetensors"))
+        return {k: v.double().reshape(-1) for k, v in sorted(tensors.items())}
+
+    trl_grad = flat("trl")
+    trl_norm = read_steps(work / "trl")[0]["trl"]["grad_norm"]
+    out: dict[str, Any] = {
+        "rewards": source,
+        "samples": len(answers),
+        "groups_with_spread": sum(spread),
+        "reward_mean": sum(rewards) / len(rewards),
+        "answer_tokens": sum(lengths),
+        "answer_tokens_in_groups_with_spread": spread_tokens,
+        "trl_grad_norm_before_clipping": trl_norm,
+    }
+    for name in ("legorl-drop", "legorl-keep", "control-sequence-mean"):
+        mine = flat(name)
+        if set(mine) != set(trl_grad):
+            raise RuntimeError(f"{name}: other tensors than TRL's: {sorted(set(mine) ^ set(trl_grad))[:5]}")
+        a = torch.cat([mine[k] for k in mine])
+        b = torch.cat([trl_grad[k] for k in mine])
+        a_unit, b_unit = a / a.norm(), b / b.norm()
+        worst = max(
+            float(
+                (mine[k] / a.norm() - trl_grad[k] / b.norm()).norm()
+                / (trl_grad[k] / b.norm()).norm().clamp(min=1e-30)
+            )
+            for k in mine
+            if float(trl_grad[k].norm()) > 1e-6 * float(b.norm())
+        )
+        figures = json.loads((work / name / "figures.json").read_text())
+        out[name] = {
+            "cosine": float(a_unit @ b_unit),
+            "relative_difference": float((a_unit - b_unit).norm()),
+            "worst_tensor_relative_difference": worst,
+            "grad_norm_before_clipping": figures["grad_norm"],
+            "norm_ratio_to_trl": figures["grad_norm"] / trl_norm,
+            "fidelity_max_abs_logprob_delta": figures.get("fidelity_max_abs_logprob_delta"),
+        }
+    out["expected_norm_ratio_drop"] = sum(lengths) / spread_tokens
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benchmark's one sequence
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
-    p.add_argument("command", nargs="?", default="compare", choices=["compare", "legorl", "evaluate"])
+    p.add_argument(
+        "command", nargs="?", default="compare", choices=["compare", "legorl", "legorl-gradient", "evaluate"]
+    )
     p.add_argument("job", nargs="?", type=Path, help="legorl / evaluate: the job's JSON")
     p.add_argument("--quick", action="store_true", help="a few steps of one setting (the test's run)")
     p.add_argument("--no-trl", action="store_true", help="legorl's side only")
@@ -775,6 +984,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
         return 0
     if args.command == "evaluate":
         run_evaluate(json.loads(args.job.read_text()))
+        return 0
+    if args.command == "legorl-gradient":
+        run_legorl_gradient(json.loads(args.job.read_text()))
         return 0
 
     started = time.monotonic()
@@ -871,6 +1083,19 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
         )
     pool.wait()
     evaluated = time.monotonic()
+    gradient = (
+        gradient_check(
+            plan,
+            work / "gradient-check",
+            start=start,
+            tasks=train_tasks,
+            max_new=max_new,
+            trl_py=trl_py,
+            env=env,
+        )
+        if trl_py
+        else None
+    )
 
     start_eval = json.loads((work / "start-evaluation.json").read_text())["start-0"]
     results_runs = []
@@ -913,9 +1138,11 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
         "agreement_last_steps": last,
         "agreement": by_setting,
         "runs": results_runs,
+        "gradient_check": gradient,
         "wall_seconds": {
             "train": trained - started,
             "evaluate": evaluated - trained,
+            "gradient_check": time.monotonic() - evaluated,
             "total": time.monotonic() - started,
         },
     }

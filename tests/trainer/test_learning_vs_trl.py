@@ -5,8 +5,10 @@ legorl's defaults are checked without any model. The end-to-end test runs `--qui
 recorded with mini-swe-agent, a warm start by megatron-core, legorl's `PolicyTrainer` and TRL's
 `GRPOTrainer` (in its own virtualenv, `scripts/get-trl.sh`: `$LEGORL_TRL_PYTHON` when scripts/test.sh made
 it, else made here, ~4 minutes the first time) on the same decision turns, the one evaluator over both
-sides' checkpoints, the results file and the plot. Its figures mean nothing at three steps; what is checked
-is that every part ran and wrote what the full comparison reads.
+sides' checkpoints, the results file and the plot. Its curves mean nothing at three steps; what is checked
+is that every part ran and wrote what the full comparison reads, and the gradient check: on one batch,
+legorl's gradient is TRL's (cosine > 0.99999), at the norm the mapping predicts. A change to legorl's loss,
+advantages, masks, aggregation or importance weights that TRL does not share fails here.
 """
 
 from __future__ import annotations
@@ -143,5 +145,15 @@ def test_the_quick_comparison_runs_both_trainers_end_to_end(tmp_path: Path) -> N
         "final_validation",
         "final_train",
     }
+    # One batch, both trainers' gradients: the same direction, and with legorl's `Keep` the same norm (the
+    # advantages' eps, 1e-6 against TRL's 1e-4, is the only difference: 2e-4 here, as the docstring says).
+    check = result["gradient_check"]
+    for side in ("legorl-keep", "legorl-drop"):
+        assert check[side]["cosine"] > 0.99999, check
+        assert check[side]["worst_tensor_relative_difference"] < 1e-3, check
+    assert check["legorl-keep"]["norm_ratio_to_trl"] == pytest.approx(1.0, abs=2e-3)
+    assert check["legorl-drop"]["norm_ratio_to_trl"] == pytest.approx(
+        check["expected_norm_ratio_drop"], rel=2e-3
+    )
     svg = ET.fromstring(out.with_suffix(".svg").read_text())
     assert svg.tag.endswith("svg") and len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == 8
