@@ -153,6 +153,9 @@ FULL = Plan(
         Setting("lr1e-3", 1e-3, (1,)),
         Setting("lr3e-3", 3e-3, (1,)),
         Setting("lr1e-4-keep-zero-variance", 1e-4, (1,), zero_variance_groups="Keep", trl=False),
+        # Run on its own (--only lr3e-4,lr3e-4-keep-zero-variance --seeds 1,2,3): where legorl's Drop and
+        # TRL parted in the full run.
+        Setting("lr3e-4-keep-zero-variance", 3e-4, (1,), zero_variance_groups="Keep", trl=False),
     ),
 )
 QUICK = Plan(
@@ -978,6 +981,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
     p.add_argument("--seeds", help="comma-separated seeds, replacing each setting's")
     p.add_argument("--steps", type=int, help="RL steps of every run (default: the plan's)")
     p.add_argument("--jobs", type=int, help="processes at a time (default 2, one torch thread each)")
+    p.add_argument("--runs", help="the runs' folder under --work (default full, or quick)")
     args = p.parse_args(argv)
     if args.command == "legorl":
         run_legorl(json.loads(args.job.read_text()))
@@ -999,7 +1003,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
         plan = replace(plan, settings=tuple(replace(s, seeds=seeds) for s in plan.settings))
     plan = replace(plan, steps=args.steps or plan.steps, jobs=args.jobs or plan.jobs)
     commit = git_commit()
-    work: Path = args.work / ("quick" if args.quick else "full")
+    work: Path = args.work / (args.runs or ("quick" if args.quick else "full"))
     work.mkdir(parents=True, exist_ok=True)
     trl_py = None if args.no_trl else trl_python(args.trl_python)
 
