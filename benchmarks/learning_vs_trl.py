@@ -129,10 +129,12 @@ class Plan:
     prompts_per_step: int = 8
     group_size: int = 4
     save_every: int = 5
+    eval_every: int = 10
+    """Checkpoints evaluated: every `eval_every` steps and the last (one costs ~20 s of a CPU)."""
     eval_samples: int = 8
     """Sampled answers per validation task at every evaluated checkpoint."""
-    eval_train_tasks: int = 40
-    """Training tasks also evaluated (the first N of the task list, sampled `eval_samples // 2` times)."""
+    eval_train_tasks: int = 20
+    """Training tasks also evaluated (the first N of the task list, sampled `eval_samples // 4` times)."""
     eval_seed: int = 12345
     warm_seed: int = 1
     warm_steps: int = 400
@@ -164,7 +166,8 @@ QUICK = Plan(
     prompts_per_step=2,
     group_size=2,
     save_every=2,
-    eval_samples=2,
+    eval_every=2,
+    eval_samples=4,
     eval_train_tasks=4,
     # A start that writes tool calls, not one that copies fixes: the quick run checks the machinery.
     warm_steps=40,
@@ -982,6 +985,11 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
     p.add_argument("--steps", type=int, help="RL steps of every run (default: the plan's)")
     p.add_argument("--jobs", type=int, help="processes at a time (default 2, one torch thread each)")
     p.add_argument("--runs", help="the runs' folder under --work (default full, or quick)")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep a side's training whose folder holds the same job, finished",
+    )
     args = p.parse_args(argv)
     if args.command == "legorl":
         run_legorl(json.loads(args.job.read_text()))
@@ -1025,7 +1033,6 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
     for setting in plan.settings:
         for seed in setting.seeds:
             folder = work / setting.name / f"seed-{seed}"
-            shutil.rmtree(folder, ignore_errors=True)
             job = {
                 "checkpoint": str(start),
                 "tasks": train_tasks,
@@ -1042,6 +1049,11 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
             for side in sides:
                 side_job = {**job, "out": str(folder / side)}
                 path = folder / f"{side}-job.json"
+                done = (folder / side / "summary.json").is_file() and path.is_file()
+                if args.reuse and done and json.loads(path.read_text()) == side_job:
+                    say(f"{setting.name} seed {seed}: {side} trained before ({folder / side})")
+                    continue
+                shutil.rmtree(folder / side, ignore_errors=True)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(side_job))
                 argv = (
@@ -1057,13 +1069,15 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
 
     # One evaluator for every checkpoint of both sides (and the start), the same seed for all.
     eval_tasks = {"validation": validation_tasks, "train": train_tasks[: plan.eval_train_tasks]}
-    samples = {"validation": plan.eval_samples, "train": max(1, plan.eval_samples // 2)}
+    samples = {"validation": plan.eval_samples, "train": max(1, plan.eval_samples // 4)}
     specs = []
     for r in runs:
         checkpoints = {
             f"{side}-{folder.name}": str(folder)
             for side in r["sides"]
             for folder in sorted((r["folder"] / side / "checkpoints").iterdir())
+            if int(folder.name.split("-")[-1]) % plan.eval_every == 0
+            or int(folder.name.split("-")[-1]) == plan.steps
         }
         specs.append((r["folder"] / "evaluation.json", checkpoints))
     specs.append((work / "start-evaluation.json", {"start-0": str(start)}))
