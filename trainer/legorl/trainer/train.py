@@ -473,18 +473,6 @@ class PolicyTrainer:
             for seqs in mini_sequences
         ]
         loss_tokens = [sum(q.num_loss_tokens for q in seqs) for seqs in mini_sequences]
-        # Dropping the zero-variance groups saves their forward and backward; it must not change the loss.
-        # Their advantages are 0, so what they add to a batch is size: its trained tokens (or sequences)
-        # count in the normaliser as they do with `Keep`. Normalised over the kept groups alone, a batch in
-        # which one group of eight had reward spread took as large a step on its four answers as a batch of
-        # eight informative groups (TRL's GRPOTrainer, with "dapo" aggregation, counts them; at lr 3e-4 the
-        # old normaliser collapsed the tiny policy's tool calls where TRL's did not,
-        # benchmarks/learning_vs_trl.py).
-        flat = self._flat_size(filtered.zero_variance)
-        kept_size = (
-            sum(loss_tokens) if s.loss_aggregation == "TokenMean" else sum(len(q) for q in mini_sequences)
-        )
-        batch_scale = (kept_size + flat) / kept_size if kept_size else 1.0
         # The fidelity guard must not go blind when no trained token was sampled by that version (its fresh
         # groups all had one reward, the rest was stale): then the fresh trials of zero-variance groups are
         # measured instead, with one forward before the update and no gradient.
@@ -521,7 +509,6 @@ class PolicyTrainer:
                 micros,
                 acc,
                 normalizer=normalizer,
-                policy_scale=batch_scale,
                 olds=olds[index] if olds is not None else None,
                 refs=refs[index] if refs is not None else None,
             )
@@ -570,30 +557,17 @@ class PolicyTrainer:
         size = math.ceil(len(sequences) / s.mini_batches) if sequences else 1
         return [sequences[i : i + size] for i in range(0, len(sequences), size)]
 
-    def _flat_size(self, flat: Sequence[TrialRecord]) -> int:
-        """What the trials of dropped zero-variance groups would add to the loss's normaliser had they been
-        kept: their trained tokens (`TokenMean`) or sequences (the sequence means), counted as `_sequences`
-        would count them (with `routingReplay: Enabled`, segments with routing only)."""
-        sequences = data.sequences_from_trials(flat, {t.trial: 0.0 for t in flat})
-        if self.settings.routing_replay == "Enabled":
-            sequences = [q for q in sequences if q.routed_experts is not None]
-        if self.settings.loss_aggregation == "TokenMean":
-            return sum(q.num_loss_tokens for q in sequences)
-        return len(sequences)
-
     def _accumulate_gradients(
         self,
         micros: Sequence[_Micro],
         acc: _Accumulator,
         *,
         normalizer: float,
-        policy_scale: float = 1.0,
         olds: Sequence[torch.Tensor] | None,
         refs: Sequence[torch.Tensor] | None,
     ) -> _Captured:
         """Forward and backward every micro-batch of one mini-batch; gradients add up to its whole loss
-        (normalised by `normalizer`: the mini-batch's trained tokens, or its sequences, over every rank; the
-        policy term by `normalizer × policy_scale`, which counts the dropped zero-variance groups' share).
+        (normalised by `normalizer`: the mini-batch's trained tokens, or its sequences, over every rank).
 
         `olds`: each micro-batch's log-probs before this step's first update (several mini-batches); None
         when the mini-batch is the whole batch and the policy being trained is the old one. `refs`: the
@@ -628,7 +602,7 @@ class PolicyTrainer:
                 clip_high=s.clip_high,
                 is_weights=None if s.importance_mode == "Disabled" else weights,
                 aggregation=s.loss_aggregation,
-                normalizer=normalizer * policy_scale,
+                normalizer=normalizer,
             )
             entropy = loss.aggregate(ent, mask, s.loss_aggregation, normalizer=normalizer)
             if s.entropy_coef > 0:
