@@ -972,7 +972,10 @@ def gradient_check(
 def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benchmark's one sequence
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     p.add_argument(
-        "command", nargs="?", default="compare", choices=["compare", "legorl", "legorl-gradient", "evaluate"]
+        "command",
+        nargs="?",
+        default="compare",
+        choices=["compare", "gradient", "legorl", "legorl-gradient", "evaluate"],
     )
     p.add_argument("job", nargs="?", type=Path, help="legorl / evaluate: the job's JSON")
     p.add_argument("--quick", action="store_true", help="a few steps of one setting (the test's run)")
@@ -1022,6 +1025,34 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
     validation_tasks = decision_turns(start, demos["validation"])
     longest = max(len(t["answer_ids"]) for t in train_tasks + validation_tasks)
     max_new = longest + 8
+    if args.command == "gradient":  # the gradient check alone, into its own results file
+        env = child_env(plan.threads)
+        check = gradient_check(
+            plan, work / "gradient-check", start=start, tasks=train_tasks, max_new=max_new,
+            trl_py=str(trl_py), env=env,
+        )  # fmt: skip
+        args.out.write_text(
+            json.dumps(
+                {
+                    "benchmark": "learning-vs-trl gradient check",
+                    "command": shlex.join(
+                        [
+                            "python",
+                            "benchmarks/learning_vs_trl.py",
+                            *(argv if argv is not None else sys.argv[1:]),
+                        ]
+                    ),
+                    "git_commit": commit,
+                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "cpu": _cpu_model()},
+                    "start": start.name,
+                    "gradient_check": check,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+        say(json.dumps(check, indent=1))
+        return 0
     lengths = [len(t["prompt_ids"]) for t in train_tasks]
     say(
         f"start {start.name}; {len(train_tasks)} training and {len(validation_tasks)} validation decision "
