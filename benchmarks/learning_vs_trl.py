@@ -1088,13 +1088,13 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 -- the benc
                 shutil.rmtree(folder / side, ignore_errors=True)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(side_job))
-                argv = (
+                child = (
                     [PY, str(HERE / "learning_vs_trl.py"), "legorl", str(path)]
                     if side == "legorl"
                     else [str(trl_py), str(HERE / "_trl_grpo.py"), str(path)]
                 )
                 say(f"{setting.name} seed {seed}: {side}")
-                pool.start(argv, folder / f"{side}.log", env)
+                pool.start(child, folder / f"{side}.log", env)
             runs.append({"setting": setting, "seed": seed, "folder": folder, "sides": sides, "job": job})
     pool.wait()
     trained = time.monotonic()
