@@ -6,7 +6,8 @@
 # Playwright for the UI's browser tests (scripts/get-browser.sh), fetches helm
 # (scripts/get-helm.sh), builds a real kube-apiserver (scripts/get-kube.sh, in the background while
 # the linters run; cached in ~/.cache/legorl/kube) and a Kubernetes 1.36 apiextensions-apiserver for
-# the CRDs (scripts/get-apiext.sh, likewise; ~/.cache/legorl/apiext) and installs what a real node
+# the CRDs (scripts/get-apiext.sh, likewise; ~/.cache/legorl/apiext), TRL in its own virtualenv
+# (scripts/get-trl.sh, likewise; ~/.cache/legorl/trl-venv) and installs what a real node
 # needs (scripts/get-node.sh; its kubelet, scheduler and kube-proxy come from get-kube.sh), then
 # lint, types, import layers, generated-file drift, every image built and smoke-run
 # (scripts/build-images.sh: Docker and debootstrap from Debian, a private engine; LEGORL_IMAGES=0
@@ -42,6 +43,10 @@ kube_pid=$!
 # The CRDs' current API server (1.36, from Debian sid's Go sources; cached in ~/.cache/legorl/apiext).
 nice -n 10 bash scripts/get-apiext.sh >.cache/get-apiext.log 2>&1 &
 apiext_pid=$!
+# TRL in its own virtualenv (benchmarks/learning_vs_trl.py's peer trainer; cached in
+# ~/.cache/legorl/trl-venv): pip's downloads overlap the linters and the image builds.
+nice -n 10 bash scripts/get-trl.sh .venv/bin/python >.cache/get-trl.log 2>&1 &
+trl_pid=$!
 bash scripts/get-helm.sh .cache/tools
 export PATH="$PWD/.venv/bin:$PATH"
 export LEGORL_HELM="$PWD/.cache/tools/bin/helm"
@@ -93,6 +98,15 @@ fi
 grep "get-apiext.sh:" .cache/get-apiext.log || true
 LEGORL_APIEXT_BIN=$(tail -1 .cache/get-apiext.log)
 export LEGORL_APIEXT_BIN
+
+step "TRL's own virtualenv (scripts/get-trl.sh)"
+if ! wait "$trl_pid"; then
+  cat .cache/get-trl.log >&2
+  exit 1
+fi
+grep "get-trl.sh:" .cache/get-trl.log || true
+LEGORL_TRL_PYTHON=$(tail -1 .cache/get-trl.log)
+export LEGORL_TRL_PYTHON
 
 step "pytest"
 set +e
