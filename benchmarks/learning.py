@@ -49,7 +49,6 @@ from typing import Any
 
 from legorl.api.figures import BatchSummary
 from legorl.api.store import RunStore
-from legorl.api.termination import INFRA_REASONS
 from legorl.controller.plan import wilson_interval
 from legorl.sandbox.reading import GENERATOR_VERSION, SPLITS, TEST_COMMAND, builtin_task_set
 from legorl.sandbox.task import load_task_set, write_jsonl
@@ -334,16 +333,17 @@ def behaviours(store: Path, step: int, checkpoint: Path, tasks: dict[str, Any]) 
 
 
 def evaluation(store: Path, step: int) -> dict[str, Any]:
-    """The run's evaluation of v<step>: its solve rate and each scored task's outcomes (as the run
-    controller scores them: infrastructure failures and trials without a reward are not scored)."""
+    """The run's evaluation of v<step>: its solve rate and each scored task's outcomes, by the rule the run
+    controller scores with (`TrialRecord.eval_outcome`)."""
     found = [e for e in RunStore(str(store)).eval_summaries() if e.step == step]
     if not found:
         raise RuntimeError(f"{store}: no evaluation of v{step}")
     summary = found[0]
     per_task: dict[str, list[int]] = defaultdict(list)
     for trial in RunStore(str(store)).saved_trials("validation", step):
-        if trial.termination_reason not in INFRA_REASONS and trial.reward is not None:
-            per_task[trial.task_id].append(int(trial.reward >= 1.0))
+        outcome = trial.eval_outcome()
+        if outcome is not None:
+            per_task[trial.task_id].append(int(outcome))
     solved = sum(sum(v) for v in per_task.values())
     scored = sum(len(v) for v in per_task.values())
     if (solved, scored) != (summary.solved or 0, summary.scored):  # the saved trials are the evaluation's

@@ -636,6 +636,13 @@ class TrialRecord:
     """Turns the engine answered with parsed tool calls (finish reason `tool_calls`); 0 means the policy
     never called a tool the engine recognised; None: not known (no proxy trajectory, an older record)."""
 
+    def eval_outcome(self) -> bool | None:
+        """The trial as a held-out evaluation counts it: solved (reward 1) or not; None when it is not
+        scored (it ended for an infrastructure reason, or without a reward)."""
+        if self.termination_reason in INFRA_REASONS or self.reward is None:
+            return None
+        return self.reward >= 1.0
+
     def check(self, *, segments: bool = True) -> None:
         """Raise TrajectoryError if the record breaks the contract. `segments=False` leaves its segments
         alone: they are checked once, where they enter a process (the proxy's assembly,

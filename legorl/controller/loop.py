@@ -393,8 +393,8 @@ class RunController:
 
     def _finish_eval(self, ev: _Step) -> None:
         records = list(ev.records.values())
-        scored = [r for r in records if r.termination_reason not in INFRA_REASONS and r.reward is not None]
-        solved = sum(1 for r in scored if (r.reward or 0.0) >= 1.0)
+        scored = [r for r in records if r.eval_outcome() is not None]
+        solved = sum(1 for r in scored if r.eval_outcome())
         low, high = wilson_interval(solved, len(scored))
         per_task: dict[str, list[float]] = {}
         for r in scored:
