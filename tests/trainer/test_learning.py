@@ -131,17 +131,22 @@ def test_what_a_trial_did_is_read_off_its_commands() -> None:
     assert gave_up["submitted_without_fix"] and not gave_up["read_tests_first"] and not gave_up["wrote_a_fix"]
 
 
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    work = tmp_path_factory.mktemp("learning")
-    out = work / "learning.json"
-    proc = subprocess.run(
+def _run_quick(work: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """`benchmarks/learning.py --quick` in `work`, its results to `out`."""
+    return subprocess.run(
         [sys.executable, "benchmarks/learning.py", "--quick", "--work", str(work), "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
         check=False,
     )
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    work = tmp_path_factory.mktemp("learning")
+    out = work / "learning.json"
+    proc = _run_quick(work, out)
     log = (work / "learning.log").read_text() if (work / "learning.log").exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log[-5000:]
     return work, json.loads(out.read_text())
@@ -193,13 +198,7 @@ def test_a_rerun_picks_up_where_the_seed_stopped(quick: tuple[Path, dict[str, An
     log = work / "learning.log"
     before = log.read_text()
     out = work / "again.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/learning.py", "--quick", "--work", str(work), "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    proc = _run_quick(work, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "$ " not in log.read_text()[len(before) :]  # no child process ran
     again = json.loads(out.read_text())
