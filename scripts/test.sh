@@ -20,6 +20,16 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# Wait for scripts/NAME.sh, started in the background with its output in .cache/NAME.log: show its summary
+# line, or its whole log and stop if it failed. Usage: finished PID NAME (its result: the log's last line).
+finished() {
+  if ! wait "$1"; then
+    cat ".cache/$2.log" >&2
+    exit 1
+  fi
+  grep "$2.sh:" ".cache/$2.log" || true
+}
+
 step "virtualenv and dependencies"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 bash scripts/get-engine.sh
@@ -82,29 +92,17 @@ if [ "${LEGORL_IMAGES:-1}" != 0 ]; then
 fi
 
 step "a real control plane (scripts/get-kube.sh)"
-if ! wait "$kube_pid"; then
-  cat .cache/get-kube.log >&2
-  exit 1
-fi
-grep "get-kube.sh:" .cache/get-kube.log || true
+finished "$kube_pid" get-kube
 LEGORL_KUBE_BIN=$(tail -1 .cache/get-kube.log)
 export LEGORL_KUBE_BIN LEGORL_REQUIRE_KUBE=1
 
 step "a current API server for the CRDs (scripts/get-apiext.sh)"
-if ! wait "$apiext_pid"; then
-  cat .cache/get-apiext.log >&2
-  exit 1
-fi
-grep "get-apiext.sh:" .cache/get-apiext.log || true
+finished "$apiext_pid" get-apiext
 LEGORL_APIEXT_BIN=$(tail -1 .cache/get-apiext.log)
 export LEGORL_APIEXT_BIN
 
 step "TRL's own virtualenv (scripts/get-trl.sh)"
-if ! wait "$trl_pid"; then
-  cat .cache/get-trl.log >&2
-  exit 1
-fi
-grep "get-trl.sh:" .cache/get-trl.log || true
+finished "$trl_pid" get-trl
 LEGORL_TRL_PYTHON=$(tail -1 .cache/get-trl.log)
 export LEGORL_TRL_PYTHON
 
